@@ -1,0 +1,139 @@
+"""The spec's tables: cluster_job, cluster_member, cluster_attempt (dispatched_job lives with
+the jobs it assigns and points back here through cluster_attempt)."""
+
+import uuid
+
+from django.db import models
+from django.db.models import F, Func, IntegerField, Q
+from django.db.models.lookups import Exact
+
+from gradient.jobs.models import DerivationBuild, Evaluation, JobKind, Project
+
+
+class ClusterStatus(models.TextChoices):
+    QUEUED = "Queued"
+    RUNNING = "Running"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+    ABORTED = "Aborted"
+
+
+CLUSTER_ACTIVE = frozenset({ClusterStatus.QUEUED, ClusterStatus.RUNNING})
+CLUSTER_TERMINAL = frozenset({ClusterStatus.COMPLETED, ClusterStatus.FAILED, ClusterStatus.ABORTED})
+
+
+class AttemptOutcome(models.TextChoices):
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    PREPARE_FAILED = "PrepareFailed"
+    ABORTED = "Aborted"
+
+
+class ClusterJob(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.DO_NOTHING, related_name="+")
+    status = models.CharField(
+        max_length=16, choices=ClusterStatus.choices, default=ClusterStatus.QUEUED
+    )
+    same_zone = models.BooleanField(default=False)
+    # Started attempts; a failed prepare does not count.
+    attempts = models.PositiveIntegerField(default=0)
+    # How many retries after a failed started attempt (not the per-evaluation budget).
+    retry_budget = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "cluster_job"
+        indexes = [
+            # The dispatch pass and the retention pass select by status and age.
+            models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
+        ]
+
+    def __str__(self):
+        return f"cluster {self.pk}"
+
+
+class NumNonNulls(Func):
+    function = "num_nonnulls"
+    output_field = IntegerField()
+
+
+class ClusterMember(models.Model):
+    # Evaluation garbage collection (or retention) deletes members with their job or cluster.
+    cluster_job = models.ForeignKey(ClusterJob, on_delete=models.DB_CASCADE, related_name="members")
+    evaluation = models.ForeignKey(
+        Evaluation, null=True, blank=True, on_delete=models.DB_CASCADE, related_name="+"
+    )
+    derivation_build = models.ForeignKey(
+        DerivationBuild, null=True, blank=True, on_delete=models.DB_CASCADE, related_name="+"
+    )
+    role = models.CharField(max_length=100)
+    primary = models.BooleanField(default=False)
+    # Worker name the member must sit on, if any.
+    pin = models.CharField(max_length=200, null=True, blank=True)
+
+    class Meta:
+        db_table = "cluster_member"
+        ordering = ["cluster_job_id", "role", "id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Exact(NumNonNulls(F("evaluation"), F("derivation_build")), 1),
+                name="cluster_member-one-job",
+            ),
+            # At most one cluster per job.
+            models.UniqueConstraint(
+                fields=["evaluation"],
+                condition=Q(evaluation__isnull=False),
+                name="idx-cluster_member-evaluation",
+            ),
+            models.UniqueConstraint(
+                fields=["derivation_build"],
+                condition=Q(derivation_build__isnull=False),
+                name="idx-cluster_member-derivation_build",
+            ),
+        ]
+
+    def __str__(self):
+        return f"{self.role} of cluster {self.cluster_job_id}"
+
+    @property
+    def kind(self) -> str:
+        return JobKind.EVAL if self.evaluation_id else JobKind.BUILD
+
+    @property
+    def job_key(self) -> str:
+        if self.evaluation_id:
+            return f"eval:{self.evaluation_id}"
+        return f"build:{self.derivation_build_id}"
+
+
+class ClusterAttempt(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    cluster_job = models.ForeignKey(
+        ClusterJob, on_delete=models.DB_CASCADE, related_name="attempts_made"
+    )
+    created_at = models.DateTimeField()
+    # Unset until every member accepted.
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=AttemptOutcome.choices, null=True, blank=True)
+
+    class Meta:
+        db_table = "cluster_attempt"
+        ordering = ["created_at"]
+        constraints = [
+            # Serves claim_cluster's ON CONFLICT: at most one open attempt per cluster,
+            # which arbitrates between server instances claiming one cluster.
+            models.UniqueConstraint(
+                fields=["cluster_job"],
+                condition=Q(finished_at__isnull=True),
+                name="idx-cluster_attempt-open",
+            ),
+        ]
+
+    def __str__(self):
+        return f"attempt {self.id}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.finished_at is None

@@ -1,0 +1,202 @@
+"""The existing jobs that clusters group: projects, evaluations, shared builds, assignments.
+
+This app knows nothing of clusters or of workers' sessions; other apps point at it.
+"""
+
+import uuid
+
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+from django.db.models import Q
+
+
+class Project(models.Model):
+    name = models.CharField(max_length=200, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "project"
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class EvaluationStatus(models.TextChoices):
+    QUEUED = "Queued"
+    FETCHING = "Fetching"
+    EVALUATING_FLAKE = "EvaluatingFlake"
+    EVALUATING_DERIVATION = "EvaluatingDerivation"
+    BUILDING = "Building"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+    ABORTED = "Aborted"
+
+
+EVALUATION_TERMINAL = frozenset(
+    {EvaluationStatus.COMPLETED, EvaluationStatus.FAILED, EvaluationStatus.ABORTED}
+)
+# An evaluation can be claimed while it is not finished (the claim's start condition).
+EVALUATION_STARTABLE = frozenset(set(EvaluationStatus) - EVALUATION_TERMINAL)
+
+
+class BuildStatus(models.TextChoices):
+    CREATED = "Created"
+    QUEUED = "Queued"
+    BUILDING = "Building"
+    COMPLETED = "Completed"
+    FAILED_PERMANENT = "FailedPermanent"
+    ABORTED = "Aborted"
+    DEPENDENCY_FAILED = "DependencyFailed"
+    SUBSTITUTED = "Substituted"
+    FAILED_TRANSIENT = "FailedTransient"
+    FAILED_TIMEOUT = "FailedTimeout"
+
+
+BUILD_TERMINAL = frozenset(
+    {
+        BuildStatus.COMPLETED,
+        BuildStatus.FAILED_PERMANENT,
+        BuildStatus.ABORTED,
+        BuildStatus.DEPENDENCY_FAILED,
+        BuildStatus.SUBSTITUTED,
+    }
+)
+# Failures that send a build back to Queued; a spent budget turns them permanent.
+BUILD_REQUEUEABLE = frozenset({BuildStatus.FAILED_TRANSIENT, BuildStatus.FAILED_TIMEOUT})
+
+
+class JobFields(models.Model):
+    """What a worker needs to know to take a job, shared by both kinds."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    project = models.ForeignKey(Project, on_delete=models.DO_NOTHING, related_name="+")
+    architecture = models.CharField(max_length=64, default="x86_64-linux")
+    required_features = ArrayField(models.CharField(max_length=64), default=list, blank=True)
+    # Store paths the job needs; workers score how much of them they must fetch.
+    paths = ArrayField(models.TextField(), default=list, blank=True)
+    prioritized = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        abstract = True
+
+
+class Evaluation(JobFields):
+    status = models.CharField(
+        max_length=32, choices=EvaluationStatus.choices, default=EvaluationStatus.QUEUED
+    )
+
+    class Meta:
+        db_table = "evaluation"
+        indexes = [
+            # The assignment pass: unfinished evaluations, prioritized first, oldest first.
+            models.Index(
+                fields=["-prioritized", "created_at"],
+                name="idx-evaluation-queued",
+                condition=Q(status="Queued"),
+            )
+        ]
+
+    def __str__(self):
+        return f"eval:{self.id}"
+
+    @property
+    def job_key(self) -> str:
+        return f"eval:{self.id}"
+
+
+class DerivationBuild(JobFields):
+    """The shared build: one derivation built once for every evaluation that needs it."""
+
+    status = models.CharField(
+        max_length=32, choices=BuildStatus.choices, default=BuildStatus.CREATED
+    )
+    # Substitute mode: the output can be fetched from a cache instead of built.
+    cache_available = models.BooleanField(default=False)
+
+    class Meta:
+        db_table = "derivation_build"
+        indexes = [
+            models.Index(
+                fields=["-prioritized", "created_at"],
+                name="idx-derivation_build-queued",
+                condition=Q(status="Queued"),
+            )
+        ]
+
+    def __str__(self):
+        return f"build:{self.id}"
+
+    @property
+    def job_key(self) -> str:
+        return f"build:{self.id}"
+
+
+class JobKind(models.TextChoices):
+    EVAL = "eval"
+    BUILD = "build"
+
+
+class DispatchedOutcome(models.TextChoices):
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+    ABANDONED = "Abandoned"
+
+
+class DispatchedJob(models.Model):
+    """One assignment of a job to a worker. Open while finished_at is NULL."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    kind = models.CharField(max_length=8, choices=JobKind.choices)
+    # The job key, eval:<uuid> or build:<uuid>: the unit of "at most one open assignment".
+    job_id = models.CharField(max_length=64)
+    # Telemetry outlives its job: garbage collection of the job keeps the row, keyed by job_id.
+    evaluation = models.ForeignKey(
+        Evaluation, null=True, blank=True, on_delete=models.DB_SET_NULL, related_name="+"
+    )
+    derivation_build = models.ForeignKey(
+        DerivationBuild, null=True, blank=True, on_delete=models.DB_SET_NULL, related_name="+"
+    )
+    worker = models.ForeignKey("workers.Worker", on_delete=models.DO_NOTHING, related_name="+")
+    project = models.ForeignKey(Project, on_delete=models.DO_NOTHING, related_name="+")
+    steps = ArrayField(models.CharField(max_length=32), default=list, blank=True)
+    dispatched_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(
+        max_length=16, choices=DispatchedOutcome.choices, null=True, blank=True
+    )
+    # NULL for a single assignment. Member rows outlive their attempt as plain telemetry.
+    cluster_attempt = models.ForeignKey(
+        "clusters.ClusterAttempt",
+        null=True,
+        blank=True,
+        on_delete=models.DB_SET_NULL,
+        related_name="dispatched_jobs",
+    )
+    missing_nar_size = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        db_table = "dispatched_job"
+        constraints = [
+            # Serves claim_assignment's ON CONFLICT (job_id) WHERE finished_at IS NULL:
+            # at most one open assignment per job key, arbitrated by PostgreSQL.
+            models.UniqueConstraint(
+                fields=["job_id"],
+                condition=Q(finished_at__isnull=True),
+                name="idx-dispatched_job-open-job",
+            ),
+        ]
+        indexes = [
+            # Open rows of one worker: disconnects and liveness abandon them.
+            models.Index(
+                fields=["worker"],
+                condition=Q(finished_at__isnull=True),
+                name="idx-dispatched_job-open-worker",
+            ),
+            models.Index(fields=["cluster_attempt"], name="idx-dispatched_job-attempt"),
+        ]
+
+    def __str__(self):
+        return f"{self.job_id} on {self.worker_id}"

@@ -1,0 +1,122 @@
+"""Settings, all read from the environment (names and defaults in shared protocol.md)."""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="dev-only-insecure-key-change-me")
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "channels",
+    "gradient.jobs",
+    "workers",
+    "clusters",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "gradient.urls"
+ASGI_APPLICATION = "gradient.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": env.db_url("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/gradient"),
+}
+# A claimer stuck behind a lock, or a connection left idle inside a transaction, must not
+# block its rivals for long: both are part of the claim's correctness, not tuning.
+DATABASES["default"].setdefault("OPTIONS", {})
+DATABASES["default"]["OPTIONS"].setdefault(
+    "options",
+    "-c idle_in_transaction_session_timeout={}".format(
+        env.int("GRADIENT_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=60_000)
+    ),
+)
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=0)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "run" / "static"
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    },
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE: dict = {}
+
+# The spec's durations (shared protocol.md, "Settings").
+GRADIENT = {
+    "CLUSTER_DISPATCH_INTERVAL_SECS": env.float("GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS", 5),
+    "CLUSTER_PREPARE_TIMEOUT_SECS": env.float("GRADIENT_CLUSTER_PREPARE_TIMEOUT_SECS", 30),
+    "CLUSTER_RETRY_BACKOFF_SECS": env.float("GRADIENT_CLUSTER_RETRY_BACKOFF_SECS", 30),
+    "CLUSTER_RESERVE_AFTER_SECS": env.float("GRADIENT_CLUSTER_RESERVE_AFTER_SECS", 600),
+    "CLUSTER_RESERVE_TIMEOUT_SECS": env.float("GRADIENT_CLUSTER_RESERVE_TIMEOUT_SECS", 1800),
+    "IDLE_SLOT_TTL_SECS": env.float("GRADIENT_IDLE_SLOT_TTL_SECS", 25),
+    "WORKER_TIMEOUT_SECS": env.float("GRADIENT_WORKER_TIMEOUT_SECS", 120),
+    "RETENTION_DAYS": env.int("GRADIENT_RETENTION_DAYS", 30),
+    # Bounds how long a claim or close waits on a row lock before it gives up (and loses).
+    "CLAIM_LOCK_TIMEOUT_MS": env.int("GRADIENT_CLAIM_LOCK_TIMEOUT_MS", 5_000),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("GRADIENT_LOG_LEVEL", default="INFO")},
+}

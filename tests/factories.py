@@ -1,0 +1,72 @@
+import factory
+
+from clusters.models import ClusterJob, ClusterMember
+from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
+from workers.models import Worker, hash_token
+
+
+class ProjectFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Project
+        django_get_or_create = ("name",)
+
+    name = factory.Sequence(lambda n: f"project-{n}")
+
+
+class EvaluationFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Evaluation
+
+    project = factory.SubFactory(ProjectFactory)
+
+
+class BuildFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = DerivationBuild
+
+    project = factory.SubFactory(ProjectFactory)
+    status = BuildStatus.QUEUED
+
+
+class WorkerFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Worker
+        skip_postgeneration_save = True
+
+    name = factory.Sequence(lambda n: f"worker-{n}")
+    token_hash = factory.LazyAttribute(lambda o: hash_token(f"token-{o.name}"))
+    architectures = factory.LazyFunction(lambda: ["x86_64-linux"])
+    max_concurrent_builds = 1
+    max_concurrent_evals = 1
+    can_eval = True
+    can_build = True
+    can_fetch = True
+
+
+class ClusterFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = ClusterJob
+
+    project = factory.SubFactory(ProjectFactory)
+
+
+class EvalMemberFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = ClusterMember
+
+    cluster_job = factory.SubFactory(ClusterFactory)
+    evaluation = factory.SubFactory(
+        EvaluationFactory, project=factory.SelfAttribute("..cluster_job.project")
+    )
+    role = "server"
+
+
+class BuildMemberFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = ClusterMember
+
+    cluster_job = factory.SubFactory(ClusterFactory)
+    derivation_build = factory.SubFactory(
+        BuildFactory, project=factory.SelfAttribute("..cluster_job.project")
+    )
+    role = "client"

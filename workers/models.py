@@ -1,0 +1,64 @@
+"""Workers: identity (a token hash), project access, capabilities and connection state."""
+
+import hashlib
+import hmac
+import secrets
+
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+
+from gradient.jobs.models import Project
+
+TOKEN_BYTES = 32
+
+
+def hash_token(token: str) -> str:
+    # Tokens are 256 random bits, so a plain SHA-256 is as strong as a slow hash here.
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Worker(models.Model):
+    name = models.CharField(max_length=200, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # Project access: every project, or only those listed.
+    all_projects = models.BooleanField(default=True)
+    projects = models.ManyToManyField(Project, blank=True, related_name="+")
+
+    # Capabilities, as last reported in WorkerCapabilities.
+    architectures = ArrayField(models.CharField(max_length=64), default=list, blank=True)
+    system_features = ArrayField(models.CharField(max_length=64), default=list, blank=True)
+    max_concurrent_builds = models.PositiveIntegerField(default=0)
+    max_concurrent_evals = models.PositiveIntegerField(default=0)
+    can_eval = models.BooleanField(default=False)
+    can_build = models.BooleanField(default=False)
+    can_fetch = models.BooleanField(default=False)
+    zone = models.CharField(max_length=200, null=True, blank=True)
+    endpoint = models.CharField(max_length=500, null=True, blank=True)
+
+    # Connection state: set by the live session, cleared on disconnect.
+    channel_name = models.CharField(max_length=200, null=True, blank=True, editable=False)
+    connected_at = models.DateTimeField(null=True, blank=True)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "worker"
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def connected(self) -> bool:
+        return self.channel_name is not None
+
+    @staticmethod
+    def new_token() -> str:
+        return secrets.token_urlsafe(TOKEN_BYTES)
+
+    def token_matches(self, token: str) -> bool:
+        return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    def may_access(self, project_id: int) -> bool:
+        return self.all_projects or self.projects.filter(pk=project_id).exists()
