@@ -1,0 +1,31 @@
+"""Run callables at the same instant on real, separate database connections."""
+
+import threading
+
+from django.db import connection
+
+
+def race(*calls, timeout=30):
+    """Start every call in its own thread (so on its own connection) behind one barrier and
+    return their results in order; an exception in any call is re-raised."""
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+    errors: list = []
+
+    def run(i, call):
+        try:
+            barrier.wait(timeout)
+            results[i] = call()
+        except BaseException as exc:  # re-raised in the caller
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,144 @@
+"""Every constraint of the spec's Tables section, enforced by PostgreSQL itself.
+
+Each violating row is written with raw SQL, so nothing in Python can be what refuses it.
+"""
+
+import uuid
+
+import pytest
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from clusters.models import ClusterAttempt, ClusterJob, ClusterMember
+from gradient.jobs.models import DispatchedJob
+from tests.factories import (
+    BuildFactory,
+    ClusterFactory,
+    EvalMemberFactory,
+    EvaluationFactory,
+    WorkerFactory,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def refused(raw_sql, sql, params):
+    with pytest.raises(IntegrityError), transaction.atomic():
+        raw_sql(sql, params)
+
+
+MEMBER_SQL = (
+    "INSERT INTO cluster_member (cluster_job_id, evaluation_id, derivation_build_id, role,"
+    ' "primary") VALUES (%s, %s, %s, %s, false)'
+)
+
+
+def test_a_member_naming_no_job_is_refused(raw_sql):
+    cluster = ClusterFactory()
+    refused(raw_sql, MEMBER_SQL, [cluster.pk, None, None, "server"])
+    assert not ClusterMember.objects.exists()
+
+
+def test_a_member_naming_both_jobs_is_refused(raw_sql):
+    cluster = ClusterFactory()
+    evaluation, build = EvaluationFactory(), BuildFactory()
+    refused(raw_sql, MEMBER_SQL, [cluster.pk, evaluation.pk, build.pk, "server"])
+    raw_sql(MEMBER_SQL, [cluster.pk, evaluation.pk, None, "server"])
+    raw_sql(MEMBER_SQL, [cluster.pk, None, build.pk, "client"])
+    assert ClusterMember.objects.count() == 2
+
+
+def test_an_evaluation_joins_at_most_one_cluster(raw_sql):
+    evaluation = EvaluationFactory()
+    first, second = ClusterFactory(), ClusterFactory()
+    raw_sql(MEMBER_SQL, [first.pk, evaluation.pk, None, "server"])
+    refused(raw_sql, MEMBER_SQL, [second.pk, evaluation.pk, None, "server"])
+    refused(raw_sql, MEMBER_SQL, [first.pk, evaluation.pk, None, "client"])
+
+
+def test_a_shared_build_joins_at_most_one_cluster(raw_sql):
+    build = BuildFactory()
+    first, second = ClusterFactory(), ClusterFactory()
+    raw_sql(MEMBER_SQL, [first.pk, None, build.pk, "server"])
+    refused(raw_sql, MEMBER_SQL, [second.pk, None, build.pk, "server"])
+
+
+ATTEMPT_SQL = (
+    "INSERT INTO cluster_attempt (id, cluster_job_id, created_at, finished_at)"
+    " VALUES (%s, %s, now(), %s)"
+)
+
+
+def test_a_cluster_has_at_most_one_open_attempt(raw_sql):
+    cluster = ClusterFactory()
+    raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, timezone.now()])
+    raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, None])
+    refused(raw_sql, ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, None])
+    # Another cluster's open attempt is independent.
+    raw_sql(ATTEMPT_SQL, [uuid.uuid4(), ClusterFactory().pk, None])
+    assert ClusterAttempt.objects.filter(finished_at__isnull=True).count() == 2
+
+
+DISPATCH_SQL = (
+    "INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, worker_id, project_id, steps,"
+    " dispatched_at, finished_at, cluster_attempt_id)"
+    " VALUES (%s, 'eval', %s, %s, %s, %s, '{}', now(), %s, %s)"
+)
+
+
+def dispatch_params(evaluation, worker, finished_at=None, attempt=None):
+    return [
+        uuid.uuid4(),
+        f"eval:{evaluation.pk}",
+        evaluation.pk,
+        worker.pk,
+        evaluation.project_id,
+        finished_at,
+        attempt,
+    ]
+
+
+def test_a_job_key_has_at_most_one_open_assignment(raw_sql):
+    evaluation, worker = EvaluationFactory(), WorkerFactory()
+    raw_sql(DISPATCH_SQL, dispatch_params(evaluation, worker, finished_at=timezone.now()))
+    raw_sql(DISPATCH_SQL, dispatch_params(evaluation, worker))
+    refused(raw_sql, DISPATCH_SQL, dispatch_params(evaluation, WorkerFactory()))
+    assert DispatchedJob.objects.filter(finished_at__isnull=True).count() == 1
+
+
+def test_deleting_an_attempt_keeps_its_member_rows_as_telemetry(raw_sql):
+    member = EvalMemberFactory()
+    worker = WorkerFactory()
+    attempt = uuid.uuid4()
+    raw_sql(ATTEMPT_SQL, [attempt, member.cluster_job_id, timezone.now()])
+    raw_sql(
+        DISPATCH_SQL,
+        dispatch_params(member.evaluation, worker, finished_at=timezone.now(), attempt=attempt),
+    )
+    raw_sql("DELETE FROM cluster_attempt WHERE id = %s", [attempt])
+    row = DispatchedJob.objects.get()
+    assert row.cluster_attempt_id is None
+    assert row.job_id == f"eval:{member.evaluation_id}"
+
+
+def test_deleting_a_cluster_job_cascades_to_members_and_attempts(raw_sql):
+    member = EvalMemberFactory()
+    cluster = member.cluster_job
+    raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, timezone.now()])
+    other = EvalMemberFactory()
+    raw_sql("DELETE FROM cluster_job WHERE id = %s", [cluster.pk])
+    assert not ClusterJob.objects.filter(pk=cluster.pk).exists()
+    assert list(ClusterMember.objects.all()) == [other]
+    assert not ClusterAttempt.objects.exists()
+
+
+def test_garbage_collecting_a_member_job_removes_the_member(raw_sql):
+    member = EvalMemberFactory()
+    sibling = EvalMemberFactory(cluster_job=member.cluster_job, role="client")
+    raw_sql("DELETE FROM evaluation WHERE id = %s", [member.evaluation_id])
+    assert list(ClusterMember.objects.all()) == [sibling]
+    build_member = ClusterMember.objects.create(
+        cluster_job=member.cluster_job, derivation_build=BuildFactory(), role="db"
+    )
+    raw_sql("DELETE FROM derivation_build WHERE id = %s", [build_member.derivation_build_id])
+    assert list(ClusterMember.objects.all()) == [sibling]
