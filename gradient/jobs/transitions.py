@@ -31,7 +31,8 @@ EVALUATION_SOURCES: dict[str, frozenset[str]] = {
 }
 
 BUILD_SOURCES: dict[str, frozenset[str]] = {
-    B.QUEUED: frozenset({B.CREATED}) | BUILD_REQUEUEABLE,
+    # From Building: an assignment released before its build ran (prepare failed, retry).
+    B.QUEUED: frozenset({B.CREATED, B.BUILDING}) | BUILD_REQUEUEABLE,
     # The Assigned transition: a claimed build is on a worker.
     B.BUILDING: frozenset({B.QUEUED}),
     B.COMPLETED: frozenset({B.BUILDING}),
@@ -48,13 +49,24 @@ class IllegalTransition(ValueError):
     pass
 
 
-def _advance(model: type[models.Model], sources: dict, pk, to: str, expect=None) -> bool:
+def _allowed(model: type[models.Model], sources: dict, to: str, expect) -> frozenset[str]:
     if to not in sources:
         raise IllegalTransition(f"{model.__name__} cannot be moved to {to}")
     allowed = sources[to] if expect is None else sources[to] & frozenset(expect)
     if not allowed:
         raise IllegalTransition(f"{model.__name__} cannot move from {set(expect)} to {to}")
+    return allowed
+
+
+def _advance(model: type[models.Model], sources: dict, pk, to: str, expect=None) -> bool:
+    allowed = _allowed(model, sources, to, expect)
     return model.objects.filter(pk=pk, status__in=allowed).update(status=to) == 1
+
+
+def advance_builds(pks, to: str, expect=None) -> int:
+    """Move every listed build that may move to `to`; returns how many moved."""
+    allowed = _allowed(DerivationBuild, BUILD_SOURCES, to, expect)
+    return DerivationBuild.objects.filter(pk__in=pks, status__in=allowed).update(status=to)
 
 
 def advance_evaluation(pk, to: str, expect=None) -> bool:

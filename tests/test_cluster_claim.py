@@ -1,0 +1,361 @@
+"""claim_cluster, close_cluster_attempt, start_cluster_attempt and fail-prepare, alone and
+raced from real concurrent connections."""
+
+import time
+
+import pytest
+from django.db import connection
+
+from clusters.claim import (
+    ClusterClaim,
+    claim_cluster,
+    close_cluster_attempt,
+    fail_prepare_attempt,
+    resolve_cluster_attempt,
+    start_cluster_attempt,
+)
+from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
+from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
+from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob, EvaluationStatus
+from tests.concurrency import race
+from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
+
+TRIALS = 100
+
+
+def make_cluster(**kwargs):
+    cluster = ClusterFactory(**kwargs)
+    EvalMemberFactory(cluster_job=cluster, role="server")
+    BuildMemberFactory(cluster_job=cluster, role="client")
+    return cluster
+
+
+def claim_for(cluster, workers, reverse=False):
+    members = list(cluster.members.order_by("id"))
+    if reverse:
+        members.reverse()
+    return ClusterClaim(
+        cluster_id=cluster.pk,
+        members=[
+            Assignment(
+                gate=ClaimGate(m.kind, m.evaluation_id or m.derivation_build_id),
+                worker_id=w.pk,
+                project_id=cluster.project_id,
+            )
+            for m, w in zip(members, workers, strict=False)
+        ],
+    )
+
+
+def open_rows(cluster):
+    keys = [m.job_key for m in cluster.members.all()]
+    return DispatchedJob.objects.filter(job_id__in=keys, finished_at__isnull=True)
+
+
+def assert_whole_or_nothing(cluster):
+    """Either one open attempt owning an open row for every member, or neither."""
+    attempts = list(ClusterAttempt.objects.filter(cluster_job=cluster, finished_at__isnull=True))
+    rows = list(open_rows(cluster).filter(cluster_attempt__isnull=False))
+    if attempts:
+        assert len(attempts) == 1
+        assert {r.cluster_attempt_id for r in rows} == {attempts[0].pk}
+        assert len(rows) == cluster.members.count()
+    else:
+        assert rows == []
+
+
+@pytest.mark.django_db
+def test_a_claim_opens_an_attempt_and_claims_every_member():
+    cluster = make_cluster()
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim)
+    attempt = ClusterAttempt.objects.get()
+    assert attempt.pk == claim.attempt_id and attempt.started_at is None
+    assert open_rows(cluster).filter(cluster_attempt=attempt).count() == 2
+    build = cluster.members.get(role="client").derivation_build
+    build.refresh_from_db()
+    assert build.status == BuildStatus.BUILDING  # the Assigned transition
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.QUEUED, 0)
+
+
+@pytest.mark.django_db
+def test_a_claim_without_members_opens_no_attempt():
+    cluster = make_cluster()
+    assert not claim_cluster(ClusterClaim(cluster_id=cluster.pk, members=[]))
+    assert not ClusterAttempt.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("status", ["Running", "Completed", "Failed", "Aborted"])
+def test_only_a_queued_cluster_can_be_claimed(status):
+    cluster = make_cluster(status=status)
+    assert not claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+    assert not ClusterAttempt.objects.exists() and not DispatchedJob.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_member_open_as_a_single_assignment_rolls_the_whole_attempt_back():
+    cluster = make_cluster()
+    server = cluster.members.get(role="server")
+    single = Assignment(
+        ClaimGate("eval", server.evaluation_id), WorkerFactory().pk, cluster.project_id
+    )
+    assert claim_assignment(single)
+    assert not claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+    assert not ClusterAttempt.objects.exists()
+    assert list(DispatchedJob.objects.values_list("id", flat=True)) == [single.id]
+    build = cluster.members.get(role="client").derivation_build
+    build.refresh_from_db()
+    assert build.status == BuildStatus.QUEUED
+
+
+@pytest.mark.django_db
+def test_a_member_that_cannot_start_loses_the_claim():
+    cluster = make_cluster()
+    server = cluster.members.get(role="server").evaluation
+    server.status = EvaluationStatus.ABORTED
+    server.save()
+    assert not claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+    assert not ClusterAttempt.objects.exists() and not DispatchedJob.objects.exists()
+
+
+@pytest.mark.django_db
+def test_closing_an_attempt_abandons_its_open_members_and_a_second_close_touches_nothing():
+    cluster = make_cluster()
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim)
+    assert close_cluster_attempt(claim.attempt_id, AttemptOutcome.FAILED)
+    rows = DispatchedJob.objects.filter(cluster_attempt_id=claim.attempt_id)
+    assert {r.outcome for r in rows} == {"Abandoned"}
+    finished = {r.pk: r.finished_at for r in rows}
+    assert not close_cluster_attempt(claim.attempt_id, AttemptOutcome.ABORTED)
+    attempt = ClusterAttempt.objects.get()
+    assert attempt.outcome == AttemptOutcome.FAILED
+    assert {r.pk: r.finished_at for r in rows.all()} == finished
+
+
+@pytest.mark.django_db
+def test_starting_runs_the_cluster_and_counts_the_attempt_once():
+    cluster = make_cluster()
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim)
+    assert start_cluster_attempt(claim.attempt_id)
+    assert not start_cluster_attempt(claim.attempt_id)
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.RUNNING, 1)
+    assert ClusterAttempt.objects.get().started_at is not None
+
+
+@pytest.mark.django_db
+def test_a_closed_attempt_cannot_start():
+    cluster = make_cluster()
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim)
+    assert close_cluster_attempt(claim.attempt_id, AttemptOutcome.ABORTED)
+    assert not start_cluster_attempt(claim.attempt_id)
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.QUEUED, 0)
+
+
+@pytest.mark.django_db
+def test_a_failed_prepare_keeps_the_budget_and_hands_the_builds_back():
+    cluster = make_cluster(retry_budget=1)
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim)
+    assert fail_prepare_attempt(claim.attempt_id)
+    assert not fail_prepare_attempt(claim.attempt_id)
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.QUEUED, 0)
+    assert ClusterAttempt.objects.get().outcome == AttemptOutcome.PREPARE_FAILED
+    build = cluster.members.get(role="client").derivation_build
+    build.refresh_from_db()
+    assert build.status == BuildStatus.QUEUED
+    assert claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+
+
+@pytest.mark.django_db
+def test_a_started_attempt_cannot_fail_its_prepare():
+    cluster = make_cluster()
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim) and start_cluster_attempt(claim.attempt_id)
+    assert not fail_prepare_attempt(claim.attempt_id)
+    assert ClusterAttempt.objects.get().finished_at is None
+
+
+def started(cluster):
+    claim = claim_for(cluster, WorkerFactory.create_batch(2))
+    assert claim_cluster(claim) and start_cluster_attempt(claim.attempt_id)
+    return claim.attempt_id
+
+
+@pytest.mark.django_db
+def test_a_retry_within_budget_requeues_the_cluster_and_its_builds():
+    cluster = make_cluster(retry_budget=1)
+    attempt = started(cluster)
+    assert resolve_cluster_attempt(attempt, "Failed", retry=True, finished="Failed") is True
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.QUEUED
+    assert DerivationBuild.objects.get().status == BuildStatus.QUEUED
+    assert resolve_cluster_attempt(attempt, "Failed", retry=True, finished="Failed") is None
+
+
+@pytest.mark.django_db
+def test_a_spent_budget_fails_the_cluster():
+    cluster = make_cluster(retry_budget=1)
+    for _ in range(2):
+        attempt = started(cluster)
+        requeued = resolve_cluster_attempt(attempt, "Failed", retry=True, finished="Failed")
+    assert requeued is False
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.FAILED, 2)
+
+
+@pytest.mark.django_db
+def test_a_dead_member_fails_the_cluster_despite_budget():
+    cluster = make_cluster(retry_budget=5)
+    attempt = started(cluster)
+    evaluation = cluster.members.get(role="server").evaluation
+    evaluation.status = EvaluationStatus.FAILED
+    evaluation.save()
+    assert resolve_cluster_attempt(attempt, "Failed", retry=True, finished="Failed") is False
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.FAILED
+
+
+# Races: every call runs on its own connection, released together by a barrier.
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_claimers_of_one_cluster_exactly_one_wins_and_nothing_is_partial():
+    workers = WorkerFactory.create_batch(4)
+    for _ in range(TRIALS):
+        cluster = make_cluster()
+        a, b = claim_for(cluster, workers[:2]), claim_for(cluster, workers[2:], reverse=True)
+        results = race(lambda a=a: claim_cluster(a), lambda b=b: claim_cluster(b))
+        assert sorted(results) == [False, True]
+        assert_whole_or_nothing(cluster)
+        winner = a if results[0] else b
+        assert ClusterAttempt.objects.get(cluster_job=cluster).pk == winner.attempt_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_single_assignment_racing_a_cluster_claim_of_its_job_never_both():
+    workers = WorkerFactory.create_batch(3)
+    wins = {"single": 0, "cluster": 0}
+    for i in range(TRIALS):
+        cluster = make_cluster()
+        member = cluster.members.get(role="server" if i % 2 else "client")
+        gate = ClaimGate(member.kind, member.evaluation_id or member.derivation_build_id)
+        single = Assignment(gate, workers[2].pk, cluster.project_id)
+        claim = claim_for(cluster, workers[:2])
+        single_won, cluster_won = race(
+            lambda s=single: claim_assignment(s), lambda c=claim: claim_cluster(c)
+        )
+        assert single_won != cluster_won
+        wins["single" if single_won else "cluster"] += 1
+        assert_whole_or_nothing(cluster)
+        assert open_rows(cluster).filter(job_id=member.job_key).count() == 1
+    assert all(wins.values()), wins  # both orders really happened
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_closes_of_one_attempt_exactly_one_wins_and_no_member_row_stays_open():
+    workers = WorkerFactory.create_batch(2)
+    for _ in range(TRIALS):
+        cluster = make_cluster()
+        claim = claim_for(cluster, workers)
+        assert claim_cluster(claim)
+        results = race(
+            lambda c=claim: close_cluster_attempt(c.attempt_id, AttemptOutcome.PREPARE_FAILED),
+            lambda c=claim: close_cluster_attempt(c.attempt_id, AttemptOutcome.FAILED),
+        )
+        assert sorted(results) == [False, True]
+        attempt = ClusterAttempt.objects.get(pk=claim.attempt_id)
+        expected = AttemptOutcome.PREPARE_FAILED if results[0] else AttemptOutcome.FAILED
+        assert attempt.outcome == expected
+        assert not open_rows(cluster).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_racing_a_failed_prepare_is_consistent_either_way():
+    workers = WorkerFactory.create_batch(2)
+    wins = {"start": 0, "fail": 0}
+    for _ in range(TRIALS):
+        cluster = make_cluster()
+        claim = claim_for(cluster, workers)
+        assert claim_cluster(claim)
+        did_start, did_fail = race(
+            lambda c=claim: start_cluster_attempt(c.attempt_id),
+            lambda c=claim: fail_prepare_attempt(c.attempt_id),
+        )
+        assert did_start != did_fail
+        cluster.refresh_from_db()
+        attempt = ClusterAttempt.objects.get(pk=claim.attempt_id)
+        build = cluster.members.get(role="client").derivation_build
+        if did_start:
+            wins["start"] += 1
+            assert (cluster.status, cluster.attempts) == (ClusterStatus.RUNNING, 1)
+            assert attempt.finished_at is None and attempt.started_at is not None
+            assert open_rows(cluster).count() == 2
+            assert build.status == BuildStatus.BUILDING
+        else:
+            wins["fail"] += 1
+            assert (cluster.status, cluster.attempts) == (ClusterStatus.QUEUED, 0)
+            assert attempt.outcome == AttemptOutcome.PREPARE_FAILED
+            assert attempt.started_at is None and not open_rows(cluster).exists()
+            assert build.status == BuildStatus.QUEUED
+    assert all(wins.values()), wins
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claims_listing_members_in_opposite_orders_never_deadlock():
+    workers = WorkerFactory.create_batch(4)
+    for _ in range(TRIALS):
+        cluster = make_cluster()
+        EvalMemberFactory(cluster_job=cluster, role="db")
+        a = claim_for(cluster, workers[:3])
+        b = claim_for(cluster, workers[1:], reverse=True)
+        results = race(lambda a=a: claim_cluster(a), lambda b=b: claim_cluster(b))
+        assert sorted(results) == [False, True]
+        assert_whole_or_nothing(cluster)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_frozen_rival_costs_a_claimer_a_bounded_wait_not_a_hang(settings):
+    import psycopg
+
+    settings.GRADIENT = {**settings.GRADIENT, "CLAIM_LOCK_TIMEOUT_MS": 300}
+    cluster = make_cluster()
+    server = cluster.members.get(role="server")
+    worker = WorkerFactory()
+    settings_dict = connection.settings_dict
+    frozen = psycopg.connect(
+        dbname=settings_dict["NAME"],
+        user=settings_dict["USER"],
+        host=settings_dict["HOST"],
+        port=settings_dict["PORT"] or 5432,
+    )
+    try:
+        # An uncommitted open row for one member: the claim must wait on it, then give up.
+        frozen.execute(
+            "INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, worker_id, project_id,"
+            " steps, dispatched_at) VALUES (gen_random_uuid(), 'eval', %s, %s, %s, %s, '{}',"
+            " now())",
+            [server.job_key, server.evaluation_id, worker.pk, cluster.project_id],
+        )
+        began = time.monotonic()
+        assert not claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+        assert time.monotonic() - began < 5
+        assert not ClusterAttempt.objects.exists()
+    finally:
+        frozen.rollback()
+        frozen.close()
+    assert claim_cluster(claim_for(cluster, WorkerFactory.create_batch(2)))
+
+
+@pytest.mark.django_db
+def test_server_connections_end_transactions_left_idle():
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW idle_in_transaction_session_timeout")
+        assert cursor.fetchone()[0] == "1min"
