@@ -36,7 +36,7 @@ class _Lost(Exception):
     """Raised inside the claim transaction to roll every statement back."""
 
 
-def _bound_lock_waits() -> None:
+def bound_lock_waits() -> None:
     # A frozen rival holding a row lock must cost this claimer a bounded wait, not a hang.
     ms = int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])
     with connection.cursor() as cursor:
@@ -64,7 +64,7 @@ def claim_cluster(claim: ClusterClaim) -> bool:
         return False
     try:
         with transaction.atomic(durable=True):
-            _bound_lock_waits()
+            bound_lock_waits()
             with connection.cursor() as cursor:
                 cursor.execute(
                     OPEN_ATTEMPT_SQL,
@@ -130,7 +130,7 @@ def _release_builds(attempt_id) -> None:
     advance_builds(builds, BuildStatus.QUEUED, {BuildStatus.BUILDING})
 
 
-def _set_cluster(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:
+def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:
     sql = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
     params = [status, now, cluster_id]
     if only_from:
@@ -148,7 +148,7 @@ def close_cluster_attempt(attempt_id, outcome: str) -> bool:
     nothing.
     """
     with transaction.atomic(durable=True):
-        _bound_lock_waits()
+        bound_lock_waits()
         return _close(attempt_id, outcome, timezone.now()) is not None
 
 
@@ -159,7 +159,7 @@ def start_cluster_attempt(attempt_id) -> bool:
     """
     now = timezone.now()
     with transaction.atomic(durable=True):
-        _bound_lock_waits()
+        bound_lock_waits()
         with connection.cursor() as cursor:
             cursor.execute(
                 "UPDATE cluster_attempt SET started_at = %s WHERE id = %s"
@@ -183,7 +183,7 @@ def fail_prepare_attempt(attempt_id) -> bool:
     the backoff runs from this attempt's finished_at. False if the attempt had started or
     was closed already."""
     with transaction.atomic(durable=True):
-        _bound_lock_waits()
+        bound_lock_waits()
         if _close(attempt_id, AttemptOutcome.PREPARE_FAILED, timezone.now(), unstarted=True):
             _release_builds(attempt_id)
             return True
@@ -196,16 +196,16 @@ def resolve_cluster_attempt(attempt_id, outcome: str, *, retry: bool, finished: 
     `finished`. None when the attempt was closed already; otherwise whether it requeued."""
     now = timezone.now()
     with transaction.atomic(durable=True):
-        _bound_lock_waits()
+        bound_lock_waits()
         cluster_id = _close(attempt_id, outcome, now)
         if cluster_id is None:
             return None
         requeued = retry and can_retry(cluster_id)
         if requeued:
             _release_builds(attempt_id)
-            _set_cluster(cluster_id, ClusterStatus.QUEUED, now)
+            set_cluster_status(cluster_id, ClusterStatus.QUEUED, now)
         else:
-            _set_cluster(cluster_id, finished, now)
+            set_cluster_status(cluster_id, finished, now)
         return requeued
 
 
