@@ -1,0 +1,60 @@
+"""The operator commands' shared contract (shared protocol.md, "Operator commands"): one JSON
+object on stdout and exit 0, or one line on stderr and a non-zero exit with nothing written."""
+
+import argparse
+import json
+import sys
+
+from django.core.management.base import BaseCommand, CommandError
+
+
+class Once(argparse.Action):
+    """Stores an option and refuses it a second time: a repeat is likelier a slip than an
+    override. As a flag: `add_argument("--x", action=Once, nargs=0, const=True, default=False)`."""
+
+    seen = False  # a parser lives for one invocation, so per-instance state is per run
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.seen:
+            raise argparse.ArgumentError(self, "given more than once")
+        self.seen = True
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def checked_name(model, value: str, what: str) -> str:
+    """A unique name a model is looked up by: non-empty and within its column."""
+    limit = model._meta.get_field("name").max_length
+    if not value.strip():
+        raise CommandError(f"{what} name must not be empty")
+    if len(value) > limit:
+        raise CommandError(f"{what} name is longer than {limit} characters")
+    return value
+
+
+class JsonCommand(BaseCommand):
+    """Subclasses implement `run(**options) -> dict` and raise CommandError to refuse; every
+    write they make belongs in one transaction, so a refusal leaves nothing behind."""
+
+    def run(self, **options) -> dict:
+        raise NotImplementedError
+
+    def handle(self, *args, **options):
+        self.stdout.write(json.dumps(self.run(**options)))
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        # Usage errors raise CommandError instead of printing the usage text, so they too
+        # come out as one line (see run_from_argv).
+        parser.called_from_command_line = False
+        return parser
+
+    def run_from_argv(self, argv):
+        try:
+            super().run_from_argv(argv)
+        except CommandError as e:
+            # Only a usage error gets here: Django reports the command's own refusals itself,
+            # unless --traceback asked for the raise.
+            if "--traceback" in argv:
+                raise
+            self.stderr.write(f"CommandError: {e}")
+            sys.exit(e.returncode)
