@@ -30,6 +30,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -82,8 +83,15 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
+# Static files (the admin's) are served by WhiteNoise from STATIC_ROOT, filled by
+# `manage.py collectstatic` (bin/run, the Dockerfile). Compressed but not hashed: a manifest
+# storage would make every test that renders an admin page depend on a prior collectstatic.
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "run" / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 
