@@ -1,4 +1,4 @@
-"""ASGI entry point: the admin over HTTP; the worker endpoint /proto joins with the sessions."""
+"""ASGI entry point: the admin over HTTP and the worker endpoint /proto over WebSocket."""
 
 import os
 
@@ -6,8 +6,18 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
 
+# Django must be set up before anything imports models.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from workers.consumer import WorkerConsumer  # noqa: E402
+
+# No origin check on /proto: workers are machines authenticated by their bearer token.
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": URLRouter([path("proto", WorkerConsumer.as_asgi())]),
+    }
+)

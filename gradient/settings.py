@@ -105,7 +105,6 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BEAT_SCHEDULE: dict = {}
 
 # The spec's durations (shared protocol.md, "Settings").
 GRADIENT = {
@@ -119,6 +118,11 @@ GRADIENT = {
     "RETENTION_DAYS": env.int("GRADIENT_RETENTION_DAYS", 30),
     # Bounds how long a claim or close waits on a row lock before it gives up (and loses).
     "CLAIM_LOCK_TIMEOUT_MS": env.int("GRADIENT_CLAIM_LOCK_TIMEOUT_MS", 5_000),
+    # Failed assignments after which a requeueing failure becomes permanent (per job).
+    "MAX_JOB_ATTEMPTS": env.int("GRADIENT_MAX_JOB_ATTEMPTS", 3),
+    # Frames a worker may send per second (sustained) and in a burst before Error rate_limited.
+    "WORKER_RATE_PER_SEC": env.float("GRADIENT_WORKER_RATE_PER_SEC", 50),
+    "WORKER_RATE_BURST": env.int("GRADIENT_WORKER_RATE_BURST", 200),
 }
 
 LOGGING = {
@@ -127,4 +131,8 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("GRADIENT_LOG_LEVEL", default="INFO")},
+}
+
+CELERY_BEAT_SCHEDULE = {
+    "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
 }

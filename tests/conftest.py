@@ -12,3 +12,14 @@ def raw_sql(db):
             return cursor.rowcount
 
     return run
+
+
+@pytest.fixture
+def memory_layer(settings):
+    """Channels' in-memory layer, for unit tests of one process."""
+    from channels.layers import channel_layers
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()

@@ -35,6 +35,8 @@ class Worker(models.Model):
     can_fetch = models.BooleanField(default=False)
     zone = models.CharField(max_length=200, null=True, blank=True)
     endpoint = models.CharField(max_length=500, null=True, blank=True)
+    # Sent Draining: takes no new job and records no idle slot until it reconnects.
+    draining = models.BooleanField(default=False)
 
     # Connection state: set by the live session, cleared on disconnect.
     channel_name = models.CharField(max_length=200, null=True, blank=True, editable=False)
@@ -62,3 +64,44 @@ class Worker(models.Model):
 
     def may_access(self, project_id: int) -> bool:
         return self.all_projects or self.projects.filter(pk=project_id).exists()
+
+
+class IdleSlot(models.Model):
+    """An empty answer to RequestJob: the worker has a free slot of this kind. The planner's
+    only view of free capacity; it trusts a slot for GRADIENT_IDLE_SLOT_TTL_SECS."""
+
+    worker = models.ForeignKey(Worker, on_delete=models.DB_CASCADE, related_name="idle_slots")
+    kind = models.CharField(max_length=8)
+    recorded_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "idle_slot"
+        constraints = [
+            models.UniqueConstraint(fields=["worker", "kind"], name="idx-idle_slot-worker-kind"),
+        ]
+        indexes = [models.Index(fields=["kind", "recorded_at"], name="idx-idle_slot-fresh")]
+
+    def __str__(self):
+        return f"{self.worker_id}/{self.kind}"
+
+
+class JobScore(models.Model):
+    """A job offered to a worker, and once answered, what the worker would have to fetch.
+    A pair never scored counts as the most expensive seat."""
+
+    worker = models.ForeignKey(Worker, on_delete=models.DB_CASCADE, related_name="+")
+    job_id = models.CharField(max_length=64)
+    offered_at = models.DateTimeField()
+    missing_count = models.BigIntegerField(null=True)
+    missing_nar_size = models.BigIntegerField(null=True)
+    scored_at = models.DateTimeField(null=True)
+
+    class Meta:
+        db_table = "job_score"
+        constraints = [
+            models.UniqueConstraint(fields=["worker", "job_id"], name="idx-job_score-worker-job"),
+        ]
+        indexes = [models.Index(fields=["job_id"], name="idx-job_score-job")]
+
+    def __str__(self):
+        return f"{self.job_id} on {self.worker_id}"

@@ -1,0 +1,198 @@
+"""The /proto session: authenticate at the handshake, then per frame parse, call one service,
+reply. Transactions live in the services (run in a thread by database_sync_to_async), never
+across awaits; state lives in PostgreSQL, so any number of daphne processes can serve."""
+
+import logging
+import time
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from workers import assignment, connection, reports
+from workers.groups import worker_group
+from workers.protocol import (
+    MAX_FRAME_BYTES,
+    AssignJobResponse,
+    ClusterSignal,
+    Draining,
+    Error,
+    InitAck,
+    JobCompleted,
+    JobFailed,
+    JobScores,
+    Message,
+    ProtocolError,
+    RequestJob,
+    WorkerCapabilities,
+    parse_inbound,
+)
+
+log = logging.getLogger(__name__)
+
+CLOSE_TOO_BIG = 1009
+CLOSE_REVOKED = 4403
+CLOSE_SILENT = 4408
+CLOSE_REPLACED = 4409
+TOUCH_EVERY_SECS = 5.0
+
+
+def bearer_token(headers) -> str:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return ""
+
+
+class TokenBucket:
+    """Per-connection rate limit: a flood of frames gets Errors instead of work."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def db(fn):
+    return database_sync_to_async(fn)
+
+
+class WorkerConsumer(AsyncWebsocketConsumer):
+    worker_id: int | None = None
+
+    async def connect(self):
+        worker = await db(connection.authenticate)(bearer_token(self.scope["headers"]))
+        if worker is None:
+            await self.close()  # before accept: the handshake is refused with 403
+            return
+        self.worker_id, self.worker_name = worker.pk, worker.name
+        self.ready = False
+        self.live = True
+        self.touched = 0.0
+        self.bucket = TokenBucket(
+            settings.GRADIENT["WORKER_RATE_PER_SEC"], settings.GRADIENT["WORKER_RATE_BURST"]
+        )
+        await self.channel_layer.group_add(worker_group(worker.pk), self.channel_name)
+        previous = await db(connection.attach)(worker.pk, self.channel_name)
+        if previous and previous != self.channel_name:
+            await self.channel_layer.send(previous, {"type": "session.replaced"})
+        await self.accept()
+        log.info("worker %s connected", self.worker_name)
+
+    async def disconnect(self, code):
+        if self.worker_id is None:
+            return
+        await self.channel_layer.group_discard(worker_group(self.worker_id), self.channel_name)
+        if await db(connection.detach)(self.worker_id, self.channel_name):
+            log.info("worker %s disconnected (%s)", self.worker_name, code)
+
+    async def reply(self, message: Message):
+        await self.send(text_data=message.frame())
+
+    async def error(self, code: str, text: str):
+        await self.reply(Error(code=code, message=text))
+
+    async def receive(self, text_data=None, bytes_data=None):
+        data = text_data.encode() if text_data is not None else (bytes_data or b"")
+        if len(data) > MAX_FRAME_BYTES:
+            await self.close(code=CLOSE_TOO_BIG)
+            return
+        if not self.bucket.take():
+            await self.error("rate_limited", "too many frames; slow down")
+            return
+        try:
+            message = parse_inbound(data)
+        except ProtocolError as exc:
+            await self.error("bad_message", str(exc))
+            return
+        if not self.ready and not isinstance(message, WorkerCapabilities):
+            await self.error("bad_message", "the first frame must be WorkerCapabilities")
+            return
+        if not await self.still_live():
+            return
+        handler = getattr(self, f"on_{type(message).__name__}")
+        try:
+            await handler(message)
+        except reports.NotAllowed as exc:
+            await self.error("not_allowed", str(exc))
+
+    async def still_live(self) -> bool:
+        """Liveness is written every few seconds; the same query notices a revoked token or a
+        newer session that took over."""
+        now = time.monotonic()
+        if now - self.touched < TOUCH_EVERY_SECS:
+            return True
+        self.touched = now
+        if await db(connection.touch)(self.worker_id, self.channel_name):
+            return True
+        await self.close(code=CLOSE_REVOKED)
+        return False
+
+    # Frames from the worker
+
+    async def on_WorkerCapabilities(self, caps: WorkerCapabilities):
+        name = await db(connection.record_capabilities)(self.worker_id, caps)
+        self.ready = True
+        await self.reply(InitAck(worker=name))
+        await self.offer()
+
+    async def offer(self):
+        offer = await db(connection.new_offers)(self.worker_id)
+        if offer is not None:
+            await self.reply(offer)
+
+    async def on_RequestJob(self, request: RequestJob):
+        await self.offer()
+        assign = await db(assignment.request_job)(self.worker_id, request.kind)
+        if assign is not None:
+            await self.reply(assign)
+
+    async def on_JobScores(self, scores: JobScores):
+        await db(connection.record_scores)(self.worker_id, scores.scores)
+
+    async def on_AssignJobResponse(self, response: AssignJobResponse):
+        if not response.accepted:
+            await db(reports.job_rejected)(self.worker_id, response.job_id)
+
+    async def on_JobCompleted(self, report: JobCompleted):
+        await db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
+
+    async def on_JobFailed(self, report: JobFailed):
+        await db(reports.job_failed)(
+            self.worker_id, report.job_id, report.assignment_id, report.kind
+        )
+
+    async def on_ClusterSignal(self, signal: ClusterSignal):
+        raise reports.NotAllowed("no started attempt of yours is named by this signal")
+
+    async def on_Draining(self, _: Draining):
+        await db(connection.start_draining)(self.worker_id)
+
+    # Messages from other processes, through the worker's group
+
+    async def worker_send(self, event):
+        """A pass (dispatch, coordinator) sends a frame to this worker."""
+        if self.live:
+            await self.send(text_data=event["frame"])
+
+    async def worker_revoked(self, event):
+        self.live = False
+        await self.close(code=CLOSE_REVOKED)
+
+    async def worker_silent(self, event):
+        self.live = False
+        await self.close(code=CLOSE_SILENT)
+
+    async def session_replaced(self, event):
+        self.live = False
+        await self.close(code=CLOSE_REPLACED)
