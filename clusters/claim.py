@@ -16,7 +16,7 @@ from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 from clusters.models import AttemptOutcome, ClusterStatus
-from gradient.jobs.claim import Assignment, claim_assignment
+from gradient.jobs.claim import Assignment, claim_assignments
 from gradient.jobs.models import BuildStatus, DispatchedOutcome, JobKind
 from gradient.jobs.transitions import advance_builds
 
@@ -78,12 +78,14 @@ def claim_cluster(claim: ClusterClaim) -> bool:
                 )
                 if cursor.fetchone() is None:
                     raise _Lost
-            # Canonical key order: overlapping claimers queue on the same key first.
-            for member in sorted(claim.members, key=lambda m: m.gate.key):
+            # Canonical key order: overlapping claimers queue on the same key first. The
+            # members go in one round trip; any that inserts nothing loses the whole claim.
+            members = sorted(claim.members, key=lambda m: m.gate.key)
+            for member in members:
                 member.cluster_attempt_id = claim.attempt_id
                 member.dispatched_at = claim.now
-                if not claim_assignment(member):
-                    raise _Lost
+            if not claim_assignments(members):
+                raise _Lost
             builds = [m.gate.job for m in claim.members if m.gate.kind == JobKind.BUILD]
             if advance_builds(builds, BuildStatus.BUILDING, {BuildStatus.QUEUED}) != len(builds):
                 raise _Lost

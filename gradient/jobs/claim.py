@@ -80,13 +80,8 @@ RETURNING id
 """
 
 
-def claim_assignment(assignment: Assignment, using=None) -> bool:
-    """Insert the assignment's open row if its job can start and has no open row.
-
-    True when this call won. Runs in the caller's transaction when there is one, so a cluster
-    claim can chain several of these and roll all back on the first loss.
-    """
-    conn = connections[using or DEFAULT_DB_ALIAS]
+def claim_statement(assignment: Assignment) -> tuple[str, list]:
+    """The claim statement of one assignment, with its own job key and start condition."""
     gate = assignment.gate
     condition, cond_params = gate.condition()
     is_eval = gate.kind == JobKind.EVAL
@@ -104,6 +99,35 @@ def claim_assignment(assignment: Assignment, using=None) -> bool:
         assignment.missing_nar_size,
         *cond_params,
     ]
+    return CLAIM_SQL.format(condition=condition), params
+
+
+def claim_assignment(assignment: Assignment, using=None) -> bool:
+    """Insert the assignment's open row if its job can start and has no open row.
+
+    True when this call won. Runs in the caller's transaction when there is one, so a cluster
+    claim can chain several of these and roll all back on the first loss.
+    """
+    conn = connections[using or DEFAULT_DB_ALIAS]
     with conn.cursor() as cursor:
-        cursor.execute(CLAIM_SQL.format(condition=condition), params)
+        cursor.execute(*claim_statement(assignment))
         return cursor.fetchone() is not None
+
+
+def claim_assignments(assignments: list[Assignment], using=None) -> bool:
+    """claim_assignment for each assignment in turn, all sent in one round trip (a psycopg
+    pipeline); True when every one won.
+
+    Every statement runs, in the given order, even after one lost: the caller must run this
+    in a transaction and roll it back on False. An error (a lock_timeout) aborts the rest of
+    the pipeline and is raised as Django's DatabaseError.
+    """
+    conn = connections[using or DEFAULT_DB_ALIAS]
+    conn.ensure_connection()
+    pg = conn.connection
+    cursors = [pg.cursor() for _ in assignments]
+    with conn.wrap_database_errors:
+        with pg.pipeline():
+            for cursor, assignment in zip(cursors, assignments, strict=True):
+                cursor.execute(*claim_statement(assignment))
+        return all(cursor.fetchone() is not None for cursor in cursors)

@@ -1,0 +1,265 @@
+"""Claim latency: claim_cluster against a floor that writes the same rows with raw psycopg.
+
+    .venv/bin/python bench/claim.py [--repeat N] [--write docs/benchmarks.md]
+
+Every repetition gets a fresh Queued cluster of half evaluation and half build members, each
+with its own fresh worker (untimed setup); only the call itself is timed. The floor writes the
+same rows (the attempt, one dispatched_job per member, the Queued->Building move of the builds)
+under the same conditions in one transaction on its own connection, batched into one
+statement, and commits only when every row was written.
+
+It uses its own database (DATABASE_URL, default gradient_bench): created and migrated when
+missing, and emptied at the start of every run.
+"""
+# ruff: noqa: E402
+
+import argparse
+import gc
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[0] = str(ROOT)
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gradient_bench")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
+
+import django
+import psycopg
+from psycopg import sql
+
+django.setup()
+
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connection
+
+from clusters.claim import ClusterClaim, claim_cluster
+from clusters.models import ClusterJob, ClusterMember, ClusterStatus
+from gradient.jobs.claim import Assignment, ClaimGate
+from gradient.jobs.models import (
+    EVALUATION_STARTABLE,
+    BuildStatus,
+    DerivationBuild,
+    Evaluation,
+    JobKind,
+    Project,
+)
+from workers.models import Worker
+
+SIZES = (2, 8, 32, 128)
+WARMUP = 5
+SECTION = "## Claim latency"
+
+FLOOR_SQL = """
+WITH attempt AS (
+    INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
+    SELECT %(attempt)s, %(cluster)s, %(now)s
+    WHERE EXISTS (SELECT 1 FROM cluster_job WHERE id = %(cluster)s AND status = %(queued)s
+                  FOR SHARE)
+    ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
+    RETURNING id
+), member AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(kinds)s::text[], %(keys)s::text[],
+                         %(evals)s::uuid[], %(builds)s::uuid[], %(workers)s::bigint[],
+                         %(substitute)s::boolean[])
+        AS m(id, kind, job_id, evaluation_id, derivation_build_id, worker_id, substitute)
+), claimed AS (
+    INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, derivation_build_id,
+                                worker_id, project_id, steps, dispatched_at, cluster_attempt_id)
+    SELECT m.id, m.kind, m.job_id, m.evaluation_id, m.derivation_build_id, m.worker_id,
+           %(project)s, '{}', %(now)s, a.id
+    FROM member m CROSS JOIN attempt a
+    WHERE EXISTS (SELECT 1 FROM evaluation e
+                  WHERE e.id = m.evaluation_id AND e.status = ANY(%(startable)s))
+       OR EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = m.derivation_build_id
+                  AND b.status = %(queued)s AND b.cache_available = m.substitute)
+    ORDER BY m.job_id
+    ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
+    RETURNING 1
+), assigned AS (
+    UPDATE derivation_build SET status = %(building)s
+    WHERE id = ANY(%(builds)s::uuid[]) AND status = %(queued)s
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM attempt), (SELECT count(*) FROM claimed),
+       (SELECT count(*) FROM assigned)
+"""
+
+
+def ensure_database() -> None:
+    name = connection.settings_dict["NAME"]
+    with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as c:
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    call_command("migrate", verbosity=0)
+    with connection.cursor() as cursor:  # every run starts from the same empty tables
+        cursor.execute(
+            "TRUNCATE dispatched_job, cluster_attempt, cluster_member, cluster_job,"
+            " evaluation, derivation_build, worker, project CASCADE"
+        )
+
+
+def make_claim(project: Project, size: int) -> ClusterClaim:
+    """A fresh Queued cluster of size // 2 evaluations and the rest builds, one worker each."""
+    cluster = ClusterJob.objects.create(project=project)
+    evals = Evaluation.objects.bulk_create(Evaluation(project=project) for _ in range(size // 2))
+    builds = DerivationBuild.objects.bulk_create(
+        DerivationBuild(project=project, status=BuildStatus.QUEUED) for _ in range(size - size // 2)
+    )
+    ClusterMember.objects.bulk_create(
+        [ClusterMember(cluster_job=cluster, evaluation=e, role="eval") for e in evals]
+        + [ClusterMember(cluster_job=cluster, derivation_build=b, role="build") for b in builds]
+    )
+    workers = Worker.objects.bulk_create(
+        Worker(name=f"bench-{uuid.uuid4()}", token_hash=uuid.uuid4().hex) for _ in range(size)
+    )
+    gates = [ClaimGate(JobKind.EVAL, e.pk) for e in evals]
+    gates += [ClaimGate(JobKind.BUILD, b.pk) for b in builds]
+    members = [Assignment(g, w.pk, project.pk) for g, w in zip(gates, workers, strict=True)]
+    return ClusterClaim(cluster_id=cluster.pk, members=members)
+
+
+def floor(conn: psycopg.Connection, claim: ClusterClaim) -> bool:
+    members = sorted(claim.members, key=lambda m: m.gate.key)
+    is_eval = [m.gate.kind == JobKind.EVAL for m in members]
+    params = {
+        "attempt": claim.attempt_id,
+        "cluster": claim.cluster_id,
+        "now": claim.now,
+        "project": members[0].project_id,
+        "ids": [m.id for m in members],
+        "kinds": [m.gate.kind for m in members],
+        "keys": [m.gate.key for m in members],
+        "evals": [m.gate.job if e else None for m, e in zip(members, is_eval, strict=True)],
+        "builds": [None if e else m.gate.job for m, e in zip(members, is_eval, strict=True)],
+        "workers": [m.worker_id for m in members],
+        "substitute": [m.gate.substitute for m in members],
+        "startable": sorted(EVALUATION_STARTABLE),
+        "queued": ClusterStatus.QUEUED.value,  # also BuildStatus.QUEUED
+        "building": BuildStatus.BUILDING.value,
+    }
+    ms = int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])
+    with conn.pipeline():  # BEGIN, SET and the claim in one round trip, COMMIT in another
+        conn.execute(f"SET LOCAL lock_timeout = {ms}")
+        counts = conn.execute(FLOOR_SQL, params).fetchone()
+        won = counts == (1, len(members), len(members) - sum(is_eval))
+        if won:
+            conn.commit()
+        else:
+            conn.rollback()
+    return won
+
+
+def timed(call, claim: ClusterClaim) -> float:
+    gc.disable()
+    began = time.perf_counter()
+    won = call(claim)
+    elapsed = time.perf_counter() - began
+    gc.enable()
+    assert won, "the benchmark's claim lost"
+    return elapsed * 1000
+
+
+def p95(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=20)[-1]
+
+
+def run(repeat: int) -> list[dict]:
+    project = Project.objects.create(name=f"bench-{uuid.uuid4()}")
+    rows = []
+    with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
+        for size in SIZES:
+            runs = repeat if size <= 32 else max(repeat // 4, 20)
+            claims, floors = [], []
+            for i in range(WARMUP + runs):  # interleaved, so load drift hits both alike
+                c = timed(claim_cluster, make_claim(project, size))
+                f = timed(lambda cl: floor(conn, cl), make_claim(project, size))
+                if i >= WARMUP:
+                    claims.append(c)
+                    floors.append(f)
+            rows.append(
+                {
+                    "size": size,
+                    "runs": runs,
+                    "claim": (statistics.median(claims), p95(claims)),
+                    "floor": (statistics.median(floors), p95(floors)),
+                    "ratio": statistics.median(claims) / statistics.median(floors),
+                }
+            )
+            print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = (
+    "| members | runs | claim median ms | claim p95 ms | floor median ms | floor p95 ms"
+    " | claim/floor |\n|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def table_row(r: dict) -> str:
+    (cm, cp), (fm, fp) = r["claim"], r["floor"]
+    return (
+        f"| {r['size']} | {r['runs']} | {cm:.2f} | {cp:.2f} | {fm:.2f} | {fp:.2f}"
+        f" | {r['ratio']:.2f}x |"
+    )
+
+
+def file_header() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        pg = cursor.fetchone()[0]
+    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    memory = subprocess.run(["free", "-h"], capture_output=True, text=True).stdout.split()[7]
+    return (
+        "# Benchmarks\n\n"
+        f"Machine: {cores} cores (`nproc`), {memory} memory (`free -h`), PostgreSQL {pg} on the"
+        " same host over TCP. The machine is shared: others may be running tests while the"
+        " figures are taken, so each figure is a median or p95 over many runs.\n\n"
+        "Each section gives the exact command that produced its figures.\n"
+    )
+
+
+def write_section(path: Path, command: str, rows: list[dict]) -> None:
+    section = (
+        f"{SECTION}\n\n"
+        "`claim_cluster` (wall time of one call) against the floor: the same rows written by one"
+        " raw psycopg transaction on its own connection, batched into one statement (see"
+        " `bench/claim.py`). Half evaluation, half build members; fresh cluster, jobs and"
+        " workers for every run. Taken on a shared 2-core machine.\n\n"
+        f"- Command: `{command}`\n- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n\n"
+        + "\n".join([HEADER, *map(table_row, rows)])
+        + "\n"
+    )
+    text = path.read_text() if path.exists() else file_header()
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.M | re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=200, help="runs per size (a quarter at 128)")
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    command = shlex.join([".venv/bin/python", "bench/claim.py", *sys.argv[1:]])
+    ensure_database()
+    print(f"{command}\n\n{HEADER}", flush=True)
+    rows = run(args.repeat)
+    if args.write:
+        write_section(args.write, command, rows)
+
+
+if __name__ == "__main__":
+    main()
