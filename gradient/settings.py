@@ -97,8 +97,17 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        "BACKEND": "gradient.channel_layer.BlockingRedisChannelLayer",
+        "CONFIG": {
+            "hosts": [
+                {
+                    "address": REDIS_URL,
+                    "max_connections": env.int("GRADIENT_REDIS_MAX_CONNECTIONS", 200),
+                    # Seconds an operation waits for a free connection before it fails.
+                    "timeout": env.float("GRADIENT_REDIS_POOL_TIMEOUT_SECS", 20),
+                }
+            ],
+        },
     },
 }
 

@@ -1,0 +1,107 @@
+"""Real processes for end-to-end tests: daphne (and Celery) on Redis, against the test
+database that pytest-django created, driven over real sockets."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+E2E_REDIS_DB = 7  # keeps test traffic apart from a development server's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+@pytest.fixture
+def process_env(transactional_db, tmp_path):
+    """The environment a real process needs to share this test's database and Redis."""
+    s = connection.settings_dict
+    url = f"postgres://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    redis_base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0]
+    env = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "REDIS_URL": f"{redis_base}/{E2E_REDIS_DB}",
+        "DJANGO_SETTINGS_MODULE": "gradient.settings",
+        "PYTHONUNBUFFERED": "1",
+    }
+    subprocess.run(["redis-cli", "-n", str(E2E_REDIS_DB), "flushdb"], capture_output=True)
+    return env
+
+
+class Processes:
+    def __init__(self, env, logs: Path):
+        self.env, self.logs, self.procs = env, logs, []
+
+    def start(self, name: str, *args, **extra_env) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**self.env, **{k: str(v) for k, v in extra_env.items()}},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append((proc, log))
+        return proc
+
+    def daphne(self, **extra_env) -> str:
+        port = free_port()
+        proc = self.start(
+            f"daphne-{port}",
+            str(VENV_BIN / "daphne"),
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "gradient.asgi:application",
+            **extra_env,
+        )
+        wait_for_port(port, proc)
+        return f"ws://127.0.0.1:{port}/proto"
+
+    def stop(self):
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc, log in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+    def log_text(self, name_prefix: str) -> str:
+        return "".join(p.read_text() for p in sorted(self.logs.glob(f"{name_prefix}*.log")))
+
+
+@pytest.fixture
+def processes(process_env, tmp_path):
+    procs = Processes(process_env, tmp_path)
+    yield procs
+    procs.stop()
