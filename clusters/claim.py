@@ -17,8 +17,8 @@ from django.utils import timezone
 
 from clusters.models import AttemptOutcome, ClusterStatus
 from gradient.jobs.claim import Assignment, claim_assignments
-from gradient.jobs.models import BuildStatus, DispatchedOutcome, JobKind
-from gradient.jobs.transitions import advance_builds
+from gradient.jobs.models import BuildStatus, DispatchedOutcome, EvaluationStatus, JobKind
+from gradient.jobs.transitions import advance_builds, advance_evaluations
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,10 @@ class ClusterClaim:
     members: list[Assignment]
     attempt_id: uuid.UUID = field(default_factory=uuid.uuid4)
     now: datetime = field(default_factory=timezone.now)
+    # The seats' idle slots (worker id, kind), taken in the same step: the claim is refused
+    # when one is gone or older than `idle_since` (its worker went busy since the snapshot).
+    idle_seats: list[tuple[int, str]] = field(default_factory=list)
+    idle_since: datetime | None = None
 
 
 class _Lost(Exception):
@@ -65,6 +69,8 @@ def claim_cluster(claim: ClusterClaim) -> bool:
     try:
         with transaction.atomic(durable=True):
             bound_lock_waits()
+            if claim.idle_seats and not _take_idle_seats(claim):
+                raise _Lost
             with connection.cursor() as cursor:
                 cursor.execute(
                     OPEN_ATTEMPT_SQL,
@@ -98,7 +104,21 @@ def claim_cluster(claim: ClusterClaim) -> bool:
     return True
 
 
-def _close(attempt_id, outcome: str, now: datetime, *, unstarted: bool = False) -> int | None:
+def _take_idle_seats(claim: ClusterClaim) -> bool:
+    workers = [w for w, _ in claim.idle_seats]
+    kinds = [k for _, k in claim.idle_seats]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM idle_slot s USING unnest(%s::bigint[], %s::text[]) AS t(worker, kind)"
+            " WHERE s.worker_id = t.worker AND s.kind = t.kind AND s.recorded_at >= %s",
+            [workers, kinds, claim.idle_since],
+        )
+        return cursor.rowcount == len(claim.idle_seats)
+
+
+def close_attempt_rows(
+    attempt_id, outcome: str, now: datetime, *, unstarted: bool = False
+) -> int | None:
     """Close an open attempt and abandon its open member rows; the cluster id, or None when
     the attempt was not open (nothing touched)."""
     with connection.cursor() as cursor:
@@ -120,16 +140,23 @@ def _close(attempt_id, outcome: str, now: datetime, *, unstarted: bool = False) 
     return row[0]
 
 
-def _release_builds(attempt_id) -> None:
-    """Undo the Assigned transition of the attempt's build members that never finished."""
+def _member_jobs(attempt_id) -> tuple[list, list]:
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT derivation_build_id FROM dispatched_job"
-            " WHERE cluster_attempt_id = %s AND derivation_build_id IS NOT NULL",
+            "SELECT evaluation_id, derivation_build_id FROM dispatched_job"
+            " WHERE cluster_attempt_id = %s",
             [attempt_id],
         )
-        builds = [r[0] for r in cursor.fetchall()]
+        rows = cursor.fetchall()
+    return [e for e, _ in rows if e], [b for _, b in rows if b]
+
+
+def release_members(attempt_id) -> None:
+    """Hand the attempt's member jobs back to the queue: builds undo their Assigned
+    transition, started evaluations go back to Queued."""
+    evaluations, builds = _member_jobs(attempt_id)
     advance_builds(builds, BuildStatus.QUEUED, {BuildStatus.BUILDING})
+    advance_evaluations(evaluations, EvaluationStatus.QUEUED, {EvaluationStatus.EVALUATING_FLAKE})
 
 
 def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:
@@ -151,7 +178,7 @@ def close_cluster_attempt(attempt_id, outcome: str) -> bool:
     """
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        return _close(attempt_id, outcome, timezone.now()) is not None
+        return close_attempt_rows(attempt_id, outcome, timezone.now()) is not None
 
 
 def start_cluster_attempt(attempt_id) -> bool:
@@ -176,6 +203,11 @@ def start_cluster_attempt(attempt_id) -> bool:
                 " WHERE id = %s",
                 [ClusterStatus.RUNNING.value, now, row[0]],
             )
+        # Member evaluations now run (builds went Building at the claim).
+        evaluations, _ = _member_jobs(attempt_id)
+        advance_evaluations(
+            evaluations, EvaluationStatus.EVALUATING_FLAKE, {EvaluationStatus.QUEUED}
+        )
     return True
 
 
@@ -186,8 +218,10 @@ def fail_prepare_attempt(attempt_id) -> bool:
     was closed already."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        if _close(attempt_id, AttemptOutcome.PREPARE_FAILED, timezone.now(), unstarted=True):
-            _release_builds(attempt_id)
+        if close_attempt_rows(
+            attempt_id, AttemptOutcome.PREPARE_FAILED, timezone.now(), unstarted=True
+        ):
+            release_members(attempt_id)
             return True
     return False
 
@@ -199,12 +233,12 @@ def resolve_cluster_attempt(attempt_id, outcome: str, *, retry: bool, finished: 
     now = timezone.now()
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        cluster_id = _close(attempt_id, outcome, now)
+        cluster_id = close_attempt_rows(attempt_id, outcome, now)
         if cluster_id is None:
             return None
         requeued = retry and can_retry(cluster_id)
         if requeued:
-            _release_builds(attempt_id)
+            release_members(attempt_id)
             set_cluster_status(cluster_id, ClusterStatus.QUEUED, now)
         else:
             set_cluster_status(cluster_id, finished, now)

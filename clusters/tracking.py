@@ -4,6 +4,14 @@ Members of a Queued cluster start only as members (through the dispatch pass); m
 Running cluster wait for it. The single path asks here, in SQL, so it never sees them.
 """
 
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
 from clusters.models import CLUSTER_ACTIVE
 
 _ACTIVE = ", ".join(f"'{s.value}'" for s in sorted(CLUSTER_ACTIVE))
@@ -16,4 +24,119 @@ def active_member_sql(job_id_sql: str, kind: str) -> str:
     return (
         "SELECT 1 FROM cluster_member m JOIN cluster_job c ON c.id = m.cluster_job_id"
         f" WHERE m.{column} = {job_id_sql} AND c.status IN ({_ACTIVE})"
+    )
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    """A member of a cluster that can start, with what its seat and its AssignJob need."""
+
+    cluster_id: int
+    key: str
+    kind: str
+    job: uuid.UUID
+    role: str
+    index: int
+    pin: str | None
+    architecture: str
+    features: tuple[str, ...]
+    project_id: int
+    project: str
+    substitute: bool  # a build's cache_available as seen now: its claim gate
+
+
+@dataclass(frozen=True)
+class StartableCluster:
+    id: int
+    same_zone: bool
+    prioritized: bool
+    created_at: datetime
+    members: tuple[MemberRow, ...]
+
+
+def role_indexes(members) -> dict[str, tuple[str, int]]:
+    """job key -> (role, index): members of one role count from 0 in creation (id) order."""
+    seen: dict[str, int] = {}
+    out = {}
+    for m in sorted(members, key=lambda m: (m.role, m.id)):
+        seen[m.role] = seen.get(m.role, -1) + 1
+        out[m.job_key] = (m.role, seen[m.role])
+    return out
+
+
+# Clusters that can start: Queued, no open attempt, not backing off after a failed prepare,
+# and every member's job startable (evaluation Queued, build Queued) with no open row
+# anywhere. A member that cannot start holds its whole cluster back.
+STARTABLE_SQL = """
+SELECT c.id, c.same_zone, c.created_at,
+       bool_or(coalesce(e.prioritized, b.prioritized)) AS prioritized
+FROM cluster_job c
+JOIN cluster_member m ON m.cluster_job_id = c.id
+LEFT JOIN evaluation e ON e.id = m.evaluation_id
+LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+WHERE c.status = 'Queued'
+  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                  WHERE a.cluster_job_id = c.id
+                    AND (a.finished_at IS NULL
+                         OR (a.outcome = 'PrepareFailed' AND a.finished_at > %(backoff)s)))
+GROUP BY c.id
+HAVING bool_and(coalesce(e.status, b.status) = 'Queued')
+   AND NOT bool_or(EXISTS (
+        SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
+            CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
+                 ELSE 'build:' || m.derivation_build_id::text END))
+ORDER BY prioritized DESC, c.created_at ASC, c.id ASC
+LIMIT %(limit)s
+"""
+
+
+def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
+    """The cluster book: every cluster that can start, prioritized first, then the oldest,
+    with its members, in two queries."""
+    from clusters.models import ClusterMember
+
+    now = now or timezone.now()
+    backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
+    with connection.cursor() as cursor:
+        cursor.execute(STARTABLE_SQL, {"backoff": backoff, "limit": limit})
+        heads = cursor.fetchall()
+    if not heads:
+        return []
+    members = ClusterMember.objects.filter(cluster_job_id__in=[h[0] for h in heads]).select_related(
+        "evaluation__project", "derivation_build__project"
+    )
+    by_cluster: dict[int, list] = {}
+    for m in members:
+        by_cluster.setdefault(m.cluster_job_id, []).append(m)
+    out = []
+    for cluster_id, same_zone, created_at, prioritized in heads:
+        rows = by_cluster.get(cluster_id, [])
+        indexes = role_indexes(rows)
+        out.append(
+            StartableCluster(
+                id=cluster_id,
+                same_zone=same_zone,
+                prioritized=prioritized,
+                created_at=created_at,
+                members=tuple(_member_row(m, indexes[m.job_key]) for m in rows),
+            )
+        )
+    return out
+
+
+def _member_row(m, seat: tuple[str, int]) -> MemberRow:
+    job = m.evaluation or m.derivation_build
+    return MemberRow(
+        cluster_id=m.cluster_job_id,
+        key=m.job_key,
+        kind=m.kind,
+        job=job.pk,
+        role=seat[0],
+        index=seat[1],
+        pin=m.pin,
+        architecture=job.architecture,
+        features=tuple(job.required_features),
+        project_id=job.project_id,
+        project=job.project.name,
+        substitute=bool(getattr(job, "cache_available", False)),
     )

@@ -69,7 +69,8 @@ DATABASES["default"]["OPTIONS"].setdefault(
         env.int("GRADIENT_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=60_000)
     ),
 )
-DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=0)
+# Sessions and passes query constantly: reuse connections rather than open one per call.
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=300)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -105,6 +106,9 @@ CHANNEL_LAYERS = {
                     "max_connections": env.int("GRADIENT_REDIS_MAX_CONNECTIONS", 200),
                     # Seconds an operation waits for a free connection before it fails.
                     "timeout": env.float("GRADIENT_REDIS_POOL_TIMEOUT_SECS", 20),
+                    # redis-py 8 reads with a 5 s timeout by default, the same as the layer's
+                    # blocking pop: a quiet channel then fails its read. Give reads headroom.
+                    "socket_timeout": 30,
                 }
             ],
         },
@@ -143,5 +147,10 @@ LOGGING = {
 }
 
 CELERY_BEAT_SCHEDULE = {
+    "cluster-dispatch": {
+        "task": "clusters.dispatch",
+        "schedule": GRADIENT["CLUSTER_DISPATCH_INTERVAL_SECS"],
+    },
+    "cluster-recovery": {"task": "clusters.recover", "schedule": 30.0},
     "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
 }

@@ -23,3 +23,14 @@ def memory_layer(settings):
     channel_layers.backends.clear()
     yield
     channel_layers.backends.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _connections_close_after_each_use():
+    """Sessions run their services on executor threads, each with its own connection; kept
+    open (as in production) they would outlive the test database. Close them after each use."""
+    from django.db import connections
+
+    connections.settings["default"]["CONN_MAX_AGE"] = 0
+    for conn in connections.all(initialized_only=True):
+        conn.settings_dict["CONN_MAX_AGE"] = 0

@@ -7,6 +7,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from workers.assignment import candidates, offerable
 from workers.models import IdleSlot, JobScore, Worker, hash_token
@@ -58,17 +59,22 @@ def attach(worker_id: int, channel_name: str) -> str | None:
         Worker.objects.filter(pk=worker_id).update(
             channel_name=channel_name, connected_at=now, last_seen_at=now, draining=False
         )
+    if previous is not None:
+        report_lost_members(worker_id)
     return previous
 
 
 def detach(worker_id: int, channel_name: str) -> bool:
-    """The session closed. Only the live session's close counts as the worker's disconnect."""
+    """The session closed. Only the live session's close counts as the worker's disconnect:
+    its single jobs go back to the queue, its cluster members report as lost."""
     with transaction.atomic(durable=True):
         gone = Worker.objects.filter(pk=worker_id, channel_name=channel_name).update(
             channel_name=None
         )
         if gone:
             abandon_single_assignments(worker_id)
+    if gone:
+        report_lost_members(worker_id)
     return bool(gone)
 
 

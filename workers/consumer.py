@@ -9,6 +9,9 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from clusters import coordinator
+from clusters.dispatch import wake_dispatch
+from gradient.errors import NotAllowed
 from workers import assignment, connection, reports
 from workers.groups import worker_group
 from workers.protocol import (
@@ -64,7 +67,19 @@ class TokenBucket:
 
 
 def db(fn):
-    return database_sync_to_async(fn)
+    # Not thread-sensitive: sessions' services run side by side on the executor's threads
+    # instead of queueing behind each other on one.
+    return database_sync_to_async(fn, thread_sensitive=False)
+
+
+def answer_request(worker_id: int, kind: str):
+    """RequestJob: new offers first, then the job; with nothing to give, an idle slot was
+    recorded and a cluster may now have its full placement, so the dispatch pass wakes."""
+    offer = connection.new_offers(worker_id)
+    assign = assignment.request_job(worker_id, kind)
+    if assign is None:
+        wake_dispatch()
+    return offer, assign
 
 
 class WorkerConsumer(AsyncWebsocketConsumer):
@@ -123,7 +138,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         handler = getattr(self, f"on_{type(message).__name__}")
         try:
             await handler(message)
-        except reports.NotAllowed as exc:
+        except NotAllowed as exc:
             await self.error("not_allowed", str(exc))
 
     async def still_live(self) -> bool:
@@ -152,8 +167,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await self.reply(offer)
 
     async def on_RequestJob(self, request: RequestJob):
-        await self.offer()
-        assign = await db(assignment.request_job)(self.worker_id, request.kind)
+        offer, assign = await db(answer_request)(self.worker_id, request.kind)
+        if offer is not None:
+            await self.reply(offer)
         if assign is not None:
             await self.reply(assign)
 
@@ -161,8 +177,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         await db(connection.record_scores)(self.worker_id, scores.scores)
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
-        if not response.accepted:
-            await db(reports.job_rejected)(self.worker_id, response.job_id)
+        if response.accepted:
+            await db(reports.job_accepted)(self.worker_id, response.job_id)
+        else:
+            await db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
 
     async def on_JobCompleted(self, report: JobCompleted):
         await db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
@@ -173,7 +191,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         )
 
     async def on_ClusterSignal(self, signal: ClusterSignal):
-        raise reports.NotAllowed("no started attempt of yours is named by this signal")
+        await db(coordinator.forward_signal)(
+            self.worker_id, signal.attempt, signal.to, signal.payload
+        )
 
     async def on_Draining(self, _: Draining):
         await db(connection.start_draining)(self.worker_id)

@@ -33,3 +33,24 @@ def send_to_worker_on_commit(worker_id: int, message: dict) -> None:
 def close_revoked_on_commit(worker_id: int) -> None:
     """Asks a revoked worker's live connection to close; the session also re-checks its token."""
     send_to_worker_on_commit(worker_id, {"type": "worker.revoked"})
+
+
+def send_frame_on_commit(worker_id: int, frame) -> None:
+    """Sends a protocol message (workers.protocol) to the worker's live session after commit."""
+    send_to_worker_on_commit(worker_id, {"type": "worker.send", "frame": frame.frame()})
+
+
+def send_frames(frames: list[tuple[int, object]]) -> None:
+    """Sends protocol messages now (outside any transaction); best effort, like every send."""
+    layer = get_channel_layer()
+
+    async def send_all():
+        for worker_id, frame in frames:
+            await layer.group_send(
+                worker_group(worker_id), {"type": "worker.send", "frame": frame.frame()}
+            )
+
+    try:
+        async_to_sync(send_all)()
+    except Exception:
+        logger.warning("could not send %d frame(s)", len(frames), exc_info=True)

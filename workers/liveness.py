@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from clusters.recovery import report_lost_members
 from workers.connection import abandon_single_assignments
 from workers.groups import send_to_worker_on_commit
 from workers.models import Worker
@@ -30,6 +31,8 @@ def disconnect_silent_workers(now=None) -> list[int]:
                 # If a session still holds the socket somewhere, it closes it.
                 send_to_worker_on_commit(worker_id, {"type": "worker.silent"})
                 gone.append(worker_id)
+        if gone and gone[-1] == worker_id:
+            report_lost_members(worker_id)
     if gone:
         log.info("disconnected %d silent worker(s): %s", len(gone), gone)
     return gone

@@ -11,6 +11,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from clusters.coordinator import member_accepted, member_rejected
+from clusters.recovery import member_report
+from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BuildStatus,
     DerivationBuild,
@@ -27,10 +30,6 @@ REQUEUEING_FAILURES = frozenset(
     {"transient", "timeout", "substitute_unavailable", "inputs_unavailable", "corrupt_eval_cache"}
 )
 ABORTING_FAILURES = frozenset({"aborted", "canceled"})
-
-
-class NotAllowed(Exception):
-    """Well formed but not allowed now: answered with Error not_allowed, nothing changed."""
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
@@ -54,22 +53,34 @@ def _finish(row: DispatchedJob, outcome: str) -> None:
     row.save(update_fields=["finished_at", "outcome"])
 
 
-def job_completed(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
+def _is_member(assignment_id: str) -> bool:
+    try:
+        pk = uuid.UUID(assignment_id)
+    except ValueError:
+        return False
+    return DispatchedJob.objects.filter(pk=pk, cluster_attempt__isnull=False).exists()
+
+
+def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
+    if _is_member(assignment_id):
+        member_report(worker_id, job_id, assignment_id, DispatchedOutcome.COMPLETED)
+        return
     with transaction.atomic(durable=True):
         row = _open_row(worker_id, job_id, assignment_id)
         _finish(row, DispatchedOutcome.COMPLETED)
-        if row.cluster_attempt_id is None:
-            _complete_single(row)
-    return row
+        _complete_single(row)
 
 
-def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> DispatchedJob:
+def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> None:
+    if _is_member(assignment_id):
+        member_report(worker_id, job_id, assignment_id, DispatchedOutcome.FAILED, kind)
+        return
     with transaction.atomic(durable=True):
         row = _open_row(worker_id, job_id, assignment_id)
         _finish(row, DispatchedOutcome.FAILED)
-        if row.cluster_attempt_id is None:
-            _fail_single(row, kind)
-    return row
+        row.failure_kind = kind
+        row.save(update_fields=["failure_kind"])
+        _fail_single(row, kind)
 
 
 def _complete_single(row: DispatchedJob) -> None:
@@ -117,9 +128,26 @@ def release_single(rows) -> None:
             advance_evaluation(row.evaluation_id, EvaluationStatus.QUEUED)
 
 
-def job_rejected(worker_id: int, job_id: str) -> None:
+def job_accepted(worker_id: int, job_id: str) -> None:
+    """A single job needs nothing more; a member's acceptance may start its attempt."""
+    if DispatchedJob.objects.filter(
+        worker_id=worker_id, job_id=job_id, finished_at__isnull=True, cluster_attempt__isnull=False
+    ).exists():
+        member_accepted(worker_id, job_id)
+    elif not DispatchedJob.objects.filter(
+        worker_id=worker_id, job_id=job_id, finished_at__isnull=True
+    ).exists():
+        raise NotAllowed(f"{job_id} was not assigned to this worker")
+
+
+def job_rejected(worker_id: int, job_id: str, reason: str | None = None) -> None:
     """A worker refused an AssignJob: the single assignment ends Abandoned and its job goes
-    back to the queue. (A member's refusal is its attempt's failed prepare.)"""
+    back to the queue. A member's refusal is its attempt's failed prepare."""
+    if DispatchedJob.objects.filter(
+        worker_id=worker_id, job_id=job_id, finished_at__isnull=True, cluster_attempt__isnull=False
+    ).exists():
+        member_rejected(worker_id, job_id, reason)
+        return
     with transaction.atomic(durable=True):
         row = (
             DispatchedJob.objects.select_for_update()
@@ -129,5 +157,4 @@ def job_rejected(worker_id: int, job_id: str) -> None:
         if row is None:
             raise NotAllowed(f"{job_id} was not assigned to this worker")
         _finish(row, DispatchedOutcome.ABANDONED)
-        if row.cluster_attempt_id is None:
-            release_single([row])
+        release_single([row])

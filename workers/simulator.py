@@ -52,6 +52,7 @@ class WorkerConfig:
     have_fraction: float = 0.5  # share of offered paths the worker already has
     score: Scorer | None = None  # (worker name, offered job) -> (missing_count, missing_nar_size)
     signal_on_start: bool = False  # on StartCluster, send one signal to every peer
+    answers_members: bool = True  # False: a hung worker, holding members without a word
     heartbeat_secs: float | None = None  # overrides InitAck's, so tests need not wait 10 s
     backoff: tuple[float, float] = (0.1, 2.0)  # reconnect delay: first, cap
     open_timeout: float = 10.0
@@ -409,6 +410,9 @@ class SimulatedWorker:
         if hold is not None:
             loop = asyncio.get_running_loop()
             job.timer = loop.call_later(hold.hold_secs, self._hold_expired, job)
+            if not self.config.answers_members:
+                self._record("held", **job.ids(), role=hold.role, index=hold.index, silent=True)
+                return
         await self._send(p.AssignJobResponse(job_id=job.job_id, accepted=True))
         self._record("accepted", **job.ids())
         if hold is None:

@@ -176,6 +176,10 @@ class DispatchedJob(models.Model):
         related_name="dispatched_jobs",
     )
     missing_nar_size = models.BigIntegerField(null=True, blank=True)
+    # A cluster member's AssignJobResponse{accepted: true}: the attempt starts on the last one.
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    # The JobFailed kind, kept for the attempt's verdict (a member's job waits for it).
+    failure_kind = models.CharField(max_length=32, null=True, blank=True)
 
     class Meta:
         db_table = "dispatched_job"

@@ -77,3 +77,9 @@ def advance_evaluation(pk, to: str, expect=None) -> bool:
 def advance_build(pk, to: str, expect=None) -> bool:
     """Move a shared build to `to` if its state allows; `expect` narrows the accepted sources."""
     return _advance(DerivationBuild, BUILD_SOURCES, pk, to, expect)
+
+
+def advance_evaluations(pks, to: str, expect=None) -> int:
+    """Move every listed evaluation that may move to `to`; returns how many moved."""
+    allowed = _allowed(Evaluation, EVALUATION_SOURCES, to, expect)
+    return Evaluation.objects.filter(pk__in=pks, status__in=allowed).update(status=to)

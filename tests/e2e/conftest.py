@@ -14,6 +14,12 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 E2E_REDIS_DB = 7  # keeps test traffic apart from a development server's
+# The spec's durations, shortened so the real code runs in test time instead of patched clocks.
+FAST = {
+    "GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS": "1",
+    "GRADIENT_CLUSTER_PREPARE_TIMEOUT_SECS": "3",
+    "GRADIENT_CLUSTER_RETRY_BACKOFF_SECS": "1",
+}
 
 
 def free_port() -> int:
@@ -35,14 +41,25 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout=20.0):
     raise TimeoutError(f"nothing listening on {port}")
 
 
-@pytest.fixture
-def process_env(transactional_db, tmp_path):
-    """The environment a real process needs to share this test's database and Redis."""
+def wait_for_log(path: Path, text: str, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{path.name} never said {text!r}")
+
+
+@pytest.fixture(scope="session")
+def process_env(django_db_setup):
+    """The environment a real process needs to share the test database and a Redis database
+    of its own."""
     s = connection.settings_dict
     url = f"postgres://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
     redis_base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0]
     env = {
         **os.environ,
+        **FAST,
         "DATABASE_URL": url,
         "REDIS_URL": f"{redis_base}/{E2E_REDIS_DB}",
         "DJANGO_SETTINGS_MODULE": "gradient.settings",
@@ -84,6 +101,39 @@ class Processes:
         wait_for_port(port, proc)
         return f"ws://127.0.0.1:{port}/proto"
 
+    def celery(self, **extra_env) -> None:
+        """A Celery worker and beat: the passes, on their schedule and on wake-ups."""
+        celery = str(VENV_BIN / "celery")
+        self.start(
+            "celery-worker",
+            celery,
+            "-A",
+            "gradient",
+            "worker",
+            "-c",
+            "2",
+            "-l",
+            "info",
+            "--without-mingle",
+            "--without-gossip",
+            "-n",
+            f"e2e-{free_port()}@%h",
+            **extra_env,
+        )
+        wait_for_log(self.logs / "celery-worker.log", "ready.")
+        self.start(
+            "celery-beat",
+            celery,
+            "-A",
+            "gradient",
+            "beat",
+            "-l",
+            "info",
+            "-s",
+            str(self.logs / "beat-schedule"),
+            **extra_env,
+        )
+
     def stop(self):
         for proc, _ in self.procs:
             if proc.poll() is None:
@@ -101,7 +151,46 @@ class Processes:
 
 
 @pytest.fixture
-def processes(process_env, tmp_path):
+def processes(process_env, transactional_db, tmp_path):
+    """Processes of this test alone (to kill or restart them)."""
     procs = Processes(process_env, tmp_path)
     yield procs
     procs.stop()
+
+
+@pytest.fixture(scope="session")
+def _shared_stack(process_env, tmp_path_factory):
+    procs = Processes(process_env, tmp_path_factory.mktemp("stack"))
+    url = procs.daphne()
+    procs.celery()
+    yield url, procs
+    procs.stop()
+
+
+@pytest.fixture
+def stack(_shared_stack, transactional_db) -> str:
+    """The URL of /proto on a daphne, with a Celery worker and beat, shared by the session's
+    tests (each test's rows are removed after it, as with any transactional test)."""
+    return _shared_stack[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flush_retries_deadlocks():
+    """Between tests the shared stack's passes keep running, and the TRUNCATE that empties
+    the database can deadlock with one of them; PostgreSQL then aborts one side. Try again."""
+    from django.core.management.commands import flush
+
+    original = flush.Command.handle
+
+    def handle(self, *args, **options):
+        for attempt in range(5):
+            try:
+                return original(self, *args, **options)
+            except Exception as exc:
+                if attempt == 4 or "deadlock" not in str(exc.__cause__ or exc):
+                    raise
+                time.sleep(0.2)
+
+    flush.Command.handle = handle
+    yield
+    flush.Command.handle = original

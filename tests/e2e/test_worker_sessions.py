@@ -59,19 +59,17 @@ def bearer(token):
     return {"Authorization": f"Bearer {token}"}
 
 
-async def test_an_unknown_token_is_refused_with_403(processes):
-    url = processes.daphne()
+async def test_an_unknown_token_is_refused_with_403(stack):
+    url = stack
     with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
         async with connect(url, additional_headers=bearer("nobody")):
             pass
     assert refused.value.response.status_code == 403
 
 
-async def test_a_single_job_is_assigned_completed_and_its_idle_slot_recorded_then_cleared(
-    processes,
-):
+async def test_a_single_job_is_assigned_completed_and_its_idle_slot_recorded_then_cleared(stack):
     await q(lambda: WorkerFactory(name="e2e", token_hash=hash_token("t-e2e")))
-    url = processes.daphne()
+    url = stack
     async with connect(url, additional_headers=bearer("t-e2e")) as ws:
         await ws.send(json.dumps(CAPS))
         assert (await recv_type(ws, "InitAck"))["worker"] == "e2e"
@@ -102,10 +100,10 @@ async def test_a_single_job_is_assigned_completed_and_its_idle_slot_recorded_the
     assert await q(lambda: DispatchedJob.objects.get().outcome) == "Completed"
 
 
-async def test_a_disconnect_requeues_the_workers_job(processes):
+async def test_a_disconnect_requeues_the_workers_job(stack):
     await q(lambda: WorkerFactory(name="leaver", token_hash=hash_token("t-leaver")))
     build = await q(lambda: BuildFactory())
-    url = processes.daphne()
+    url = stack
     async with connect(url, additional_headers=bearer("t-leaver")) as ws:
         await ws.send(json.dumps(CAPS))
         await recv_type(ws, "InitAck")
@@ -117,9 +115,9 @@ async def test_a_disconnect_requeues_the_workers_job(processes):
     assert await q(lambda: Worker.objects.get().channel_name) is None
 
 
-async def test_a_revoked_worker_is_cut_off_across_processes(processes):
+async def test_a_revoked_worker_is_cut_off_across_processes(stack, process_env):
     await q(lambda: WorkerFactory(name="revokee", token_hash=hash_token("t-rev")))
-    url = processes.daphne()
+    url = stack
     async with connect(url, additional_headers=bearer("t-rev")) as ws:
         await ws.send(json.dumps(CAPS))
         await recv_type(ws, "InitAck")
@@ -129,7 +127,7 @@ async def test_a_revoked_worker_is_cut_off_across_processes(processes):
             "create_worker",
             "revokee",
             "--revoke",
-            env=processes.env,
+            env=process_env,
             cwd=str(ROOT),
             stdout=asyncio.subprocess.PIPE,
         )

@@ -1,0 +1,26 @@
+"""Thin Celery wrappers around the passes."""
+
+from celery import shared_task
+from celery.signals import worker_ready
+
+from clusters.dispatch import clear_wake, run_pass
+from clusters.recovery import recover
+
+
+@shared_task(name="clusters.dispatch", ignore_result=True)
+def dispatch(woken: bool = False) -> dict:
+    if woken:
+        clear_wake()
+    result = run_pass(wait=woken)
+    return {"claimed": len(result.claimed), "seconds": round(result.seconds, 4)}
+
+
+@shared_task(name="clusters.recover", ignore_result=True)
+def recover_clusters() -> None:
+    recover()
+
+
+@worker_ready.connect
+def recover_at_start(**_):
+    # A restart resumes from the database: overdue prepares, orphaned attempts.
+    recover_clusters.delay()

@@ -1,0 +1,49 @@
+"""Shared set-up for cluster-flow tests: connected workers with idle slots, frames captured
+from the channel layer."""
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils import timezone
+
+from tests.factories import WorkerFactory
+from workers.groups import worker_group
+from workers.models import IdleSlot
+
+
+def idle_workers(n, kinds=("eval", "build"), **fields):
+    now = timezone.now()
+    workers = []
+    for _ in range(n):
+        worker = WorkerFactory(channel_name="live", last_seen_at=now, **fields)
+        for kind in kinds:
+            IdleSlot.objects.create(worker=worker, kind=kind, recorded_at=now)
+        workers.append(worker)
+    return workers
+
+
+class Inbox:
+    """Listens on the groups of some workers, as their sessions would."""
+
+    def __init__(self, workers):
+        self.layer = get_channel_layer()
+        self.channels = {}
+        for w in workers:
+            channel = async_to_sync(self.layer.new_channel)()
+            async_to_sync(self.layer.group_add)(worker_group(w.pk), channel)
+            self.channels[w.pk] = channel
+
+    def frames(self, worker) -> list[dict]:
+        import json
+
+        out = []
+        while True:
+            try:
+                message = async_to_sync(self._receive)(self.channels[worker.pk])
+            except TimeoutError:
+                return out
+            out.append(json.loads(message["frame"]))
+
+    async def _receive(self, channel):
+        import asyncio
+
+        return await asyncio.wait_for(self.layer.receive(channel), 0.05)

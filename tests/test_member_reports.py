@@ -1,0 +1,140 @@
+"""Member reports into the verdict, settled in one transaction, on the real database."""
+
+import pytest
+
+from clusters import coordinator
+from clusters.dispatch import run_pass
+from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
+from clusters.recovery import abort_attempt, member_report
+from gradient.errors import NotAllowed
+from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from tests.clusterflow import Inbox, idle_workers
+from tests.concurrency import race
+from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
+
+
+@pytest.fixture(autouse=True)
+def _layer(memory_layer):
+    pass
+
+
+def started_cluster(retry_budget=0, primary=None):
+    cluster = ClusterFactory(retry_budget=retry_budget)
+    EvalMemberFactory(cluster_job=cluster, role="server", primary=primary == "server")
+    BuildMemberFactory(cluster_job=cluster, role="client", primary=primary == "client")
+    workers = idle_workers(2)
+    inbox = Inbox(workers)
+    assert run_pass().claimed == [cluster.pk]
+    rows = {r.kind: r for r in DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster)}
+    for row in rows.values():
+        coordinator.member_accepted(row.worker_id, row.job_id)
+    for w in workers:
+        inbox.frames(w)
+    return cluster, rows, inbox, workers
+
+
+def report(row, outcome, kind=None):
+    return member_report(row.worker_id, row.job_id, row.pk, outcome, kind)
+
+
+def statuses(cluster):
+    cluster.refresh_from_db()
+    evaluation = cluster.members.get(role="server").evaluation
+    build = cluster.members.get(role="client").derivation_build
+    evaluation.refresh_from_db()
+    build.refresh_from_db()
+    return cluster.status, evaluation.status, build.status
+
+
+@pytest.mark.django_db
+def test_a_member_report_holds_back_its_job_until_the_attempt_is_decided():
+    cluster, rows, _, _ = started_cluster()
+    assert report(rows["build"], "Completed") is None
+    assert statuses(cluster) == (
+        ClusterStatus.RUNNING,
+        EvaluationStatus.EVALUATING_FLAKE,
+        BuildStatus.BUILDING,
+    )
+    assert report(rows["eval"], "Completed") == "Complete"
+    assert statuses(cluster) == (
+        ClusterStatus.COMPLETED,
+        EvaluationStatus.COMPLETED,
+        BuildStatus.COMPLETED,
+    )
+    assert ClusterAttempt.objects.get().outcome == AttemptOutcome.SUCCEEDED
+
+
+@pytest.mark.django_db
+def test_the_primary_completes_the_cluster_and_aborts_its_companions():
+    cluster, rows, inbox, workers = started_cluster(primary="server")
+    assert report(rows["eval"], "Completed") == "Complete"
+    assert statuses(cluster) == (
+        ClusterStatus.COMPLETED,
+        EvaluationStatus.COMPLETED,
+        BuildStatus.ABORTED,
+    )
+    client = next(w for w in workers if w.pk == rows["build"].worker_id)
+    assert [f["type"] for f in inbox.frames(client)] == ["AbortCluster"]
+    assert DispatchedJob.objects.get(pk=rows["build"].pk).outcome == "Abandoned"
+
+
+@pytest.mark.django_db
+def test_a_completed_member_is_requeued_when_a_sibling_fails():
+    cluster, rows, _, _ = started_cluster(retry_budget=1)
+    report(rows["eval"], "Completed")
+    assert report(rows["build"], "Failed", "transient") == "Retry"
+    assert statuses(cluster) == (ClusterStatus.QUEUED, EvaluationStatus.QUEUED, BuildStatus.QUEUED)
+    assert ClusterAttempt.objects.get().outcome == AttemptOutcome.FAILED
+
+
+@pytest.mark.django_db
+def test_a_spent_budget_turns_requeueing_kinds_permanent():
+    cluster, rows, _, _ = started_cluster(retry_budget=0)
+    assert report(rows["build"], "Failed", "transient") == "Fail"
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.ABORTED,  # a survivor
+        BuildStatus.FAILED_PERMANENT,
+    )
+
+
+@pytest.mark.django_db
+def test_a_report_racing_the_resolution_is_settled_late_by_the_verdict():
+    cluster, rows, _, _ = started_cluster(retry_budget=1)
+    assert report(rows["build"], "Failed", "transient") == "Retry"
+    # The survivor's own report arrives after the verdict: accepted, changes nothing.
+    assert report(rows["eval"], "Completed") is None
+    assert statuses(cluster) == (ClusterStatus.QUEUED, EvaluationStatus.QUEUED, BuildStatus.QUEUED)
+    with pytest.raises(NotAllowed):
+        report(rows["build"], "Completed")  # reported already
+
+
+@pytest.mark.django_db
+def test_an_abort_decides_the_attempt_and_tells_every_survivor():
+    cluster, rows, inbox, workers = started_cluster(retry_budget=3)
+    report(rows["eval"], "Completed")
+    assert abort_attempt(ClusterAttempt.objects.get().pk, "operator")
+    assert statuses(cluster) == (
+        ClusterStatus.ABORTED,
+        EvaluationStatus.COMPLETED,
+        BuildStatus.ABORTED,
+    )
+    client = next(w for w in workers if w.pk == rows["build"].worker_id)
+    assert [f["type"] for f in inbox.frames(client)] == ["AbortCluster"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_simultaneous_reports_decide_the_attempt_once():
+    for _ in range(20):
+        cluster, rows, _, _ = started_cluster(retry_budget=1)
+        verdicts = race(
+            lambda r=rows: report(r["eval"], "Failed", "transient"),
+            lambda r=rows: report(r["build"], "Completed"),
+        )
+        decided = [v for v in verdicts if v is not None]
+        assert decided == ["Retry"], verdicts
+        assert ClusterAttempt.objects.filter(cluster_job=cluster).get().outcome == "Failed"
+        cluster.refresh_from_db()
+        assert cluster.status == ClusterStatus.QUEUED
+        # Out of the next iteration's way.
+        type(cluster).objects.filter(pk=cluster.pk).update(status=ClusterStatus.FAILED)
