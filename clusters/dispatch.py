@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from clusters import planner
+from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_cluster
 from clusters.recovery import expire_overdue_prepares
 from clusters.tracking import MemberRow, StartableCluster, startable_clusters
@@ -44,19 +44,24 @@ class PassResult:
     claimed: list = field(default_factory=list)
     seconds: float = 0.0
     skipped: bool = False
+    reservation: str | None = None
 
 
-def snapshot(clusters: list[StartableCluster], now) -> planner.Snapshot:
+def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snapshot:
     """What the planner needs, read in a few queries: the connected workers with a live idle
-    slot, and their scores for the members' jobs."""
+    slot (but for the `reserved` ones), and their scores for the members' jobs."""
     ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     idle: dict[int, set[str]] = {}
-    for worker_id, kind in IdleSlot.objects.filter(
-        recorded_at__gte=now - ttl,
-        worker__channel_name__isnull=False,
-        worker__draining=False,
-        worker__revoked_at__isnull=True,
-    ).values_list("worker_id", "kind"):
+    for worker_id, kind in (
+        IdleSlot.objects.filter(
+            recorded_at__gte=now - ttl,
+            worker__channel_name__isnull=False,
+            worker__draining=False,
+            worker__revoked_at__isnull=True,
+        )
+        .exclude(worker_id__in=list(reserved))
+        .values_list("worker_id", "kind")
+    ):
         idle.setdefault(worker_id, set()).add(kind)
     access: dict[int, set[int]] = {}
     for worker_id, project_id in Worker.projects.through.objects.filter(
@@ -167,6 +172,32 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
     return frames
 
 
+def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
+    frames = claim_placement(placement, rows, since)
+    if frames:
+        send_frames(frames)
+    return bool(frames)
+
+
+def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | None:
+    """Release a stale reservation, commit the active one once its seats are idle, or let the
+    oldest overdue cluster reserve. What happened, for the pass's result."""
+    released = reservation.release_stale(now)
+    active = reservation.active_reservation()
+    if active is not None:
+        placement = reservation.committable(active, {c.id: c for c in ready}, now)
+        if placement is not None and _claim_and_send(placement, rows, since):
+            claimed.add(active.cluster_job_id)
+            reservation.release(active.pk, "committed")
+            return "committed"
+        return f"released: {released}" if released else "holding"
+    for cluster in reservation.due(ready, claimed, now):
+        target = reservation.target(cluster, now)
+        if target is not None and reservation.reserve(target, now) is not None:
+            return "reserved"
+    return f"released: {released}" if released else None
+
+
 def _try_lock(wait: bool) -> bool:
     with connection.cursor() as cursor:
         if wait:
@@ -196,13 +227,13 @@ def run_pass(wait: bool = False) -> PassResult:
         ready = startable_clusters(now)
         result.ready = len(ready)
         rows = {m.key: m for c in ready for m in c.members}
-        placements = planner.plan(snapshot(ready, now))
+        # Other clusters plan over the unreserved idle workers.
+        placements = planner.plan(snapshot(ready, now, reservation.reserved_workers()))
         result.placed = len(placements)
         for placement in placements:
-            frames = claim_placement(placement, rows, since)
-            if frames:
-                send_frames(frames)
+            if _claim_and_send(placement, rows, since):
                 result.claimed.append(placement.cluster_id)
+        result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK])

@@ -137,3 +137,52 @@ class ClusterAttempt(models.Model):
     @property
     def is_open(self) -> bool:
         return self.finished_at is None
+
+
+class ClusterReservation(models.Model):
+    """An aging reservation: a cluster that waited too long holds a placement over busy
+    workers until every seat is idle. At most one is active (released_at NULL) at a time."""
+
+    cluster_job = models.ForeignKey(
+        ClusterJob, on_delete=models.DB_CASCADE, related_name="reservations"
+    )
+    # Constant 1: with the partial unique index below, allows one active reservation only.
+    singleton = models.PositiveSmallIntegerField(default=1, editable=False)
+    created_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+    release_reason = models.CharField(max_length=100, null=True, blank=True)
+
+    class Meta:
+        db_table = "cluster_reservation"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["singleton"],
+                condition=Q(released_at__isnull=True),
+                name="idx-cluster_reservation-one-active",
+            ),
+        ]
+
+    def __str__(self):
+        return f"reservation of cluster {self.cluster_job_id}"
+
+
+class ReservationSeat(models.Model):
+    """One reserved seat: this worker gets no new single job of this kind while reserved."""
+
+    reservation = models.ForeignKey(
+        ClusterReservation, on_delete=models.DB_CASCADE, related_name="seats"
+    )
+    worker = models.ForeignKey("workers.Worker", on_delete=models.DB_CASCADE, related_name="+")
+    kind = models.CharField(max_length=8)
+    job_id = models.CharField(max_length=64)
+
+    class Meta:
+        db_table = "reservation_seat"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["reservation", "worker"], name="idx-reservation_seat-worker"
+            ),
+        ]
+
+    def __str__(self):
+        return f"{self.job_id} on worker {self.worker_id}"

@@ -52,6 +52,7 @@ class StartableCluster:
     prioritized: bool
     created_at: datetime
     members: tuple[MemberRow, ...]
+    waiting_since: datetime | None = None
 
 
 def role_indexes(members) -> dict[str, tuple[str, int]]:
@@ -69,7 +70,12 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
 # anywhere. A member that cannot start holds its whole cluster back.
 STARTABLE_SQL = """
 SELECT c.id, c.same_zone, c.created_at,
-       bool_or(coalesce(e.prioritized, b.prioritized)) AS prioritized
+       bool_or(coalesce(e.prioritized, b.prioritized)) AS prioritized,
+       -- Waiting since its creation or its last started attempt; a failed prepare does not
+       -- reset the clock of an aging reservation.
+       GREATEST(c.created_at, (SELECT max(a.finished_at) FROM cluster_attempt a
+                               WHERE a.cluster_job_id = c.id AND a.started_at IS NOT NULL))
+           AS waiting_since
 FROM cluster_job c
 JOIN cluster_member m ON m.cluster_job_id = c.id
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
@@ -109,7 +115,7 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     for m in members:
         by_cluster.setdefault(m.cluster_job_id, []).append(m)
     out = []
-    for cluster_id, same_zone, created_at, prioritized in heads:
+    for cluster_id, same_zone, created_at, prioritized, waiting_since in heads:
         rows = by_cluster.get(cluster_id, [])
         indexes = role_indexes(rows)
         out.append(
@@ -119,6 +125,7 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
                 prioritized=prioritized,
                 created_at=created_at,
                 members=tuple(_member_row(m, indexes[m.job_key]) for m in rows),
+                waiting_since=waiting_since,
             )
         )
     return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from django.db import connection, transaction
 from django.utils import timezone
 
+from clusters.reservation import is_reserved
 from clusters.tracking import active_member_sql
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
@@ -167,6 +168,11 @@ def request_job(worker_id: int, kind: str) -> AssignJob | None:
     how = offerable(worker, kind)
     if how is None or worker.draining or is_full(worker, kind):
         clear_idle(worker_id, kind)
+        return None
+    if is_reserved(worker_id, kind):
+        # A reserved seat: no new single job of this kind, and its idle slot is what lets
+        # the reservation commit.
+        record_idle(worker_id, kind)
         return None
     for job_id, status, substitute in candidates(worker, how):
         assignment = _claim_one(worker, how, job_id, status, substitute)

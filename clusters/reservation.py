@@ -1,0 +1,222 @@
+"""The spec's Aging Reservations: a cluster that found no simultaneously idle workers for
+GRADIENT_CLUSTER_RESERVE_AFTER_SECS reserves a placement instead of waiting for idle workers
+to line up by chance.
+
+The reservation is a row (one active at a time, by a partial unique index), so every process
+sees it and a restart keeps it. Reserved workers keep their running jobs but get no new single
+job of the reserved kind; once every seat is idle, the reservation commits like an ordinary
+placement. It is released after GRADIENT_CLUSTER_RESERVE_TIMEOUT_SECS, when a seat's worker
+disconnects, or when the cluster leaves the queue; the next pass can then reserve again.
+"""
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from clusters import planner
+from clusters.models import ClusterReservation, ClusterStatus, ReservationSeat
+from clusters.tracking import StartableCluster
+from workers.models import IdleSlot, JobScore, Worker
+
+log = logging.getLogger(__name__)
+
+
+def active_reservation() -> ClusterReservation | None:
+    return ClusterReservation.objects.filter(released_at__isnull=True).first()
+
+
+def reserved_workers() -> dict[int, int]:
+    """worker id -> the cluster its seat is reserved for (the active reservation's seats)."""
+    return dict(
+        ReservationSeat.objects.filter(reservation__released_at__isnull=True).values_list(
+            "worker_id", "reservation__cluster_job_id"
+        )
+    )
+
+
+def is_reserved(worker_id: int, kind: str) -> bool:
+    """Whether the worker's slot of this kind is held for a cluster: no single job for it."""
+    return ReservationSeat.objects.filter(
+        worker_id=worker_id, kind=kind, reservation__released_at__isnull=True
+    ).exists()
+
+
+def release(reservation_id, reason: str) -> bool:
+    released = ClusterReservation.objects.filter(
+        pk=reservation_id, released_at__isnull=True
+    ).update(released_at=timezone.now(), release_reason=reason)
+    if released:
+        log.info("reservation %s released: %s", reservation_id, reason)
+    return bool(released)
+
+
+def release_stale(now) -> str | None:
+    """Release the active reservation when it timed out, a seat's worker disconnected, or its
+    cluster left the queue (finished, aborted, or claimed: an open attempt); the reason."""
+    active = active_reservation()
+    if active is None:
+        return None
+    timeout = timedelta(seconds=settings.GRADIENT["CLUSTER_RESERVE_TIMEOUT_SECS"])
+    cluster = active.cluster_job
+    if active.created_at < now - timeout:
+        reason = "timed out"
+    elif Worker.objects.filter(
+        Q(channel_name__isnull=True) | Q(revoked_at__isnull=False),
+        pk__in=active.seats.values("worker_id"),
+    ).exists():
+        reason = "a seat's worker disconnected"
+    elif (
+        cluster.status != ClusterStatus.QUEUED
+        or cluster.attempts_made.filter(finished_at__isnull=True).exists()
+    ):
+        reason = "the cluster left the queue"
+    else:
+        return None
+    return reason if release(active.pk, reason) else None
+
+
+def target(cluster: StartableCluster, now) -> planner.Placement | None:
+    """The planner's match over every connected eligible worker, idle workers seated first:
+    a busy worker counts as the dearest seat, an idle one costs at most its known size."""
+    workers = list(
+        Worker.objects.filter(
+            channel_name__isnull=False, revoked_at__isnull=True, draining=False
+        ).prefetch_related("projects")
+    )
+    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    idle = set(IdleSlot.objects.filter(recorded_at__gte=now - ttl).values_list("worker_id", "kind"))
+    keys = [m.key for m in cluster.members]
+    known: dict[str, dict[int, int]] = {}
+    for worker_id, job_id, size in JobScore.objects.filter(
+        job_id__in=keys, missing_nar_size__isnull=False
+    ).values_list("worker_id", "job_id", "missing_nar_size"):
+        known.setdefault(job_id, {})[worker_id] = size
+    top = max((s for sizes in known.values() for s in sizes.values()), default=0)
+    scores: dict[str, dict[int, int]] = {}
+    for member in cluster.members:
+        for w in workers:
+            if (w.pk, member.kind) in idle:
+                scores.setdefault(member.key, {})[w.pk] = known.get(member.key, {}).get(w.pk, top)
+    snapshot = planner.Snapshot(
+        clusters=(
+            planner.Cluster(
+                id=cluster.id,
+                same_zone=cluster.same_zone,
+                members=tuple(member_of(m) for m in cluster.members),
+            ),
+        ),
+        workers=tuple(
+            planner.Worker(
+                id=w.pk,
+                name=w.name,
+                zone=w.zone,
+                # Busy or not, every kind it can take: a reservation waits for the slot.
+                idle_kinds=frozenset(
+                    k for k, can in (("eval", w.can_eval), ("build", w.can_build)) if can
+                ),
+                architectures=frozenset(w.architectures),
+                features=frozenset(w.system_features),
+                projects=None if w.all_projects else frozenset(p.pk for p in w.projects.all()),
+                can_eval=w.can_eval,
+                can_build=w.can_build,
+            )
+            for w in workers
+        ),
+        scores={},
+        scores_by_job=scores,
+    )
+    placements = planner.plan(snapshot)
+    return placements[0] if placements else None
+
+
+def member_of(m) -> planner.Member:
+    return planner.Member(
+        key=m.key,
+        kind=m.kind,
+        role=m.role,
+        index=m.index,
+        pin=m.pin,
+        architecture=m.architecture,
+        features=frozenset(m.features),
+        project_id=m.project_id,
+    )
+
+
+def reserve(placement: planner.Placement, now) -> ClusterReservation | None:
+    """Hold the placement's seats; None when another cluster holds the reservation."""
+    try:
+        with transaction.atomic(durable=True):
+            reservation = ClusterReservation.objects.create(
+                cluster_job_id=placement.cluster_id, created_at=now
+            )
+            ReservationSeat.objects.bulk_create(
+                ReservationSeat(
+                    reservation=reservation,
+                    worker_id=seat.worker.id,
+                    kind=seat.member.kind,
+                    job_id=seat.member.key,
+                )
+                for seat in placement.seats
+            )
+    except IntegrityError:
+        return None  # one at a time: another pass reserved first
+    log.info(
+        "cluster %s reserved %s", placement.cluster_id, [s.worker.name for s in placement.seats]
+    )
+    return reservation
+
+
+def committable(reservation: ClusterReservation, book: dict[int, StartableCluster], now):
+    """The reservation as an ordinary placement, once every seat holds a live idle slot of its
+    kind and the cluster can start; else None."""
+    cluster = book.get(reservation.cluster_job_id)
+    if cluster is None:
+        return None
+    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    seats = list(reservation.seats.select_related("worker"))
+    idle = set(
+        IdleSlot.objects.filter(
+            worker_id__in=[s.worker_id for s in seats], recorded_at__gte=now - ttl
+        ).values_list("worker_id", "kind")
+    )
+    if any((s.worker_id, s.kind) not in idle for s in seats):
+        return None
+    by_key = {m.key: m for m in cluster.members}
+    if set(by_key) != {s.job_id for s in seats}:
+        return None  # the members changed since it was reserved: let it be released
+    return planner.Placement(
+        cluster_id=cluster.id,
+        zone=None,
+        seats=tuple(
+            planner.Seat(member_of(by_key[s.job_id]), _worker(s.worker), None) for s in seats
+        ),
+        cost=0,
+    )
+
+
+def _worker(w: Worker) -> planner.Worker:
+    return planner.Worker(
+        id=w.pk,
+        name=w.name,
+        zone=w.zone,
+        idle_kinds=frozenset(),
+        architectures=frozenset(w.architectures),
+        features=frozenset(w.system_features),
+        projects=None,
+        can_eval=w.can_eval,
+        can_build=w.can_build,
+    )
+
+
+def due(book: list[StartableCluster], placed: set[int], now) -> list[StartableCluster]:
+    """Clusters in the book, not placed this pass, waiting longer than reserve-after."""
+    after = timedelta(seconds=settings.GRADIENT["CLUSTER_RESERVE_AFTER_SECS"])
+    return [
+        c
+        for c in book
+        if c.id not in placed and c.waiting_since is not None and c.waiting_since < now - after
+    ]
