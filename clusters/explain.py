@@ -1,0 +1,313 @@
+"""explain_cluster: why a cluster waits.
+
+Either it is not waiting for seats at all (not Queued, or Queued but kept out of the cluster
+book by tracking), or it is in the book and explain() says, per member, which connected
+workers could seat it now and why each other one cannot. The capability reasons come from
+planner.seat_reason, so this never disagrees with the planner. When every member has a seat
+but no placement on distinct workers exists, the smallest set of members breaking Hall's
+condition names the members and the workers they compete for.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import combinations
+
+import numpy as np
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
+
+from clusters import planner, reservation
+from clusters.history import iso_utc
+from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
+from clusters.tracking import STARTABLE_SQL, role_indexes
+from gradient.jobs.models import DispatchedJob
+from workers.models import Worker
+
+# Up to this many members the blocking set is the smallest one, found by trying every subset.
+SUBSETS_UP_TO = 12
+
+
+def explain(cluster_id: int, now=None, reserved: dict[int, int] | None = None) -> dict:
+    """Why the cluster waits. Raises ClusterJob.DoesNotExist for an unknown id."""
+    now = now or timezone.now()
+    cluster = ClusterJob.objects.get(pk=cluster_id)
+    members = list(
+        cluster.members.select_related("evaluation", "derivation_build").order_by("role", "id")
+    )
+    head = {"id": cluster.pk, "status": cluster.status, "same_zone": cluster.same_zone}
+    reasons = _kept_out(cluster, members, now)
+    if reasons or not _in_book(cluster.pk, now):
+        reason = "; ".join(reasons) or "not in the cluster book"
+        return {**head, "waiting": False, "reason": reason, "summary": reason}
+    if reserved is None:
+        reserved = reservation.reserved_workers()
+    return {**head, "waiting": True, **_seating(cluster, members, now, reserved)}
+
+
+# Not in the book: tracking's reasons, in its order.
+
+
+def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:
+    attempts = cluster.attempts_made.order_by("-created_at")
+    if cluster.status == ClusterStatus.RUNNING:
+        started = attempts.filter(started_at__isnull=False, finished_at__isnull=True).first()
+        if started is None:
+            return ["Running"]
+        return [f"Running: attempt {started.pk} started at {iso_utc(started.started_at)}"]
+    if cluster.status != ClusterStatus.QUEUED:
+        return [cluster.status]
+    open_attempt = attempts.filter(finished_at__isnull=True).first()
+    if open_attempt is not None:
+        since = iso_utc(open_attempt.created_at)
+        return [f"preparing: attempt {open_attempt.pk} open since {since}"]
+    backoff = timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
+    failed = (
+        attempts.filter(outcome=AttemptOutcome.PREPARE_FAILED, finished_at__gt=now - backoff)
+        .order_by("-finished_at")
+        .first()
+    )
+    if failed is not None:
+        until = iso_utc(failed.finished_at + backoff)
+        return [f"backing off until {until} after a failed prepare (attempt {failed.pk})"]
+    if not members:
+        return ["no members"]
+    labels = {key: f"{role}/{index}" for key, (role, index) in role_indexes(members).items()}
+    out = []
+    for m in members:
+        job = m.evaluation or m.derivation_build
+        if job.status != "Queued":
+            out.append(f"member {labels[m.job_key]}'s job {m.job_key} cannot start ({job.status})")
+    open_rows = DispatchedJob.objects.filter(
+        job_id__in=list(labels), finished_at__isnull=True
+    ).select_related("worker")
+    for row in open_rows.order_by("job_id"):
+        where = "as a single assignment" if row.cluster_attempt_id is None else "in an attempt"
+        out.append(f"member {labels[row.job_id]} is open {where} on worker {row.worker.name}")
+    return out
+
+
+def _in_book(cluster_id: int, now) -> bool:
+    """Tracking's own query, so explain and the dispatch pass agree on the book."""
+    backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT 1 FROM ({STARTABLE_SQL}) book WHERE book.id = %(id)s",
+            {"backoff": backoff, "limit": 10_000, "id": cluster_id},
+        )
+        return cursor.fetchone() is not None
+
+
+# In the book: seats per member.
+
+
+def _seating(cluster: ClusterJob, members: list, now, reserved: dict[int, int]) -> dict:
+    indexes = role_indexes(members)
+    rows = [_member(m, indexes[m.job_key]) for m in members]
+    labels = [f"{m.role}/{m.index}" for m in rows]
+    workers = _connected(now)
+    names = {w.view.id: w.view.name for w in workers}
+    # worker id -> the first reason it cannot seat the member, None where it can.
+    reasons = [
+        {w.view.id: _reason(m, w, reserved.get(w.view.id), cluster.pk) for w in workers}
+        for m in rows
+    ]
+    seats = [{w for w, r in by_worker.items() if r is None} for by_worker in reasons]
+
+    out: dict = {"members": []}
+    if cluster.same_zone:
+        zones: dict[str | None, set[int]] = {}
+        for w in workers:
+            zones.setdefault(w.view.zone, set()).add(w.view.id)
+        # The planner's zone order: named zones sorted, then the zoneless workers.
+        order = sorted(zones, key=lambda z: (z is None, z or ""))
+        full = [z for z in order if _matched([s & zones[z] for s in seats])]
+        short = [
+            {"zone": z, **_shortfall([s & zones[z] for s in seats], labels, names)}
+            for z in order
+            if z not in full
+        ]
+        out["zones"] = {"full": full, "short": short}
+        if full:
+            # Only zones seating every member count: a seat elsewhere is in another zone.
+            inside = set().union(*(zones[z] for z in full))
+            for by_worker in reasons:
+                for w, r in by_worker.items():
+                    if r is None and w not in inside:
+                        by_worker[w] = "in another zone"
+            seats = [s & inside for s in seats]
+
+    for m, by_worker in zip(rows, reasons, strict=True):
+        out["members"].append(
+            {
+                "member": f"{m.role}/{m.index}",
+                "role": m.role,
+                "index": m.index,
+                "job_id": m.key,
+                "kind": m.kind,
+                "pin": m.pin,
+                "candidates": [names[w] for w, r in by_worker.items() if r is None],
+                "others": [{"worker": names[w], "reason": r} for w, r in by_worker.items() if r],
+            }
+        )
+    if all(seats) and not _matched(seats):
+        out["blocking"] = _blocking(seats, labels, names)
+    out["summary"] = _summary(out)
+    return out
+
+
+def _member(m, seat: tuple[str, int]) -> planner.Member:
+    job = m.evaluation or m.derivation_build
+    return planner.Member(
+        key=m.job_key,
+        kind=m.kind,
+        role=seat[0],
+        index=seat[1],
+        pin=m.pin,
+        architecture=job.architecture,
+        features=frozenset(job.required_features),
+        project_id=job.project_id,
+    )
+
+
+@dataclass(frozen=True)
+class _Connected:
+    view: planner.Worker  # as the planner would see it, were it not draining
+    slots: frozenset[str]  # kinds with an idle slot, live or not
+    stale: frozenset[str]  # kinds whose idle slot is older than the TTL
+    draining: bool
+
+
+def _connected(now) -> list[_Connected]:
+    """Every connected worker, by name, with its idle slots."""
+    fresh = now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    out = []
+    for w in (
+        Worker.objects.filter(channel_name__isnull=False, revoked_at__isnull=True)
+        .prefetch_related("idle_slots", "projects")
+        .order_by("name")
+    ):
+        slots = {s.kind: s.recorded_at >= fresh for s in w.idle_slots.all()}
+        view = planner.Worker(
+            id=w.pk,
+            name=w.name,
+            zone=w.zone,
+            idle_kinds=frozenset(kind for kind, live in slots.items() if live),
+            architectures=frozenset(w.architectures),
+            features=frozenset(w.system_features),
+            projects=None if w.all_projects else frozenset(p.pk for p in w.projects.all()),
+            can_eval=w.can_eval,
+            can_build=w.can_build,
+        )
+        stale = frozenset(kind for kind, live in slots.items() if not live)
+        out.append(_Connected(view, frozenset(slots), stale, w.draining))
+    return out
+
+
+def _reason(member: planner.Member, worker: _Connected, reserved_for: int | None, cluster_id: int):
+    """The first reason the worker cannot seat the member (the zone aside), None if it can."""
+    if member.kind not in worker.slots:
+        return "no idle slot of that kind"
+    if member.kind in worker.stale:
+        return "idle slot stale"
+    if worker.draining:
+        return "draining"
+    reason = planner.seat_reason(member, worker.view)
+    if reason is None and reserved_for not in (None, cluster_id):
+        return "reserved for another cluster"
+    return reason
+
+
+# Matching: members on distinct workers, Hall's condition when there is none.
+
+
+def _matching(seats: list[set[int]]) -> tuple[np.ndarray, list[int]]:
+    """A maximum matching: each member's column (-1 if unmatched), and the worker ids."""
+    columns = sorted(set().union(*seats))
+    at = {w: c for c, w in enumerate(columns)}
+    rows = [r for r, s in enumerate(seats) for _ in s]
+    cols = [at[w] for s in seats for w in s]
+    graph = csr_matrix(
+        (np.ones(len(rows), dtype=np.int8), (rows, cols)), shape=(len(seats), len(columns))
+    )
+    return maximum_bipartite_matching(graph, perm_type="column"), columns
+
+
+def _matched(seats: list[set[int]]) -> bool:
+    """Whether every member can sit on a worker of its own."""
+    if not all(seats):
+        return False
+    return bool((_matching(seats)[0] >= 0).all())
+
+
+def _violating(seats: list[set[int]]) -> list[int]:
+    """Members S whose seats together number fewer than |S| (Hall): the smallest such set for
+    a handful of members, else one found from a maximum matching (König)."""
+    if len(seats) <= SUBSETS_UP_TO:
+        for size in range(1, len(seats) + 1):
+            for subset in combinations(range(len(seats)), size):
+                if len(set().union(*(seats[i] for i in subset))) < size:
+                    return list(subset)
+    match, columns = _matching(seats)
+    owner = {columns[c]: r for r, c in enumerate(match) if c >= 0}
+    # From an unmatched member along alternating paths: every worker reached is matched (else
+    # the matching would grow), so the members reached outnumber their seats by one.
+    reached, todo = set(), [int(np.flatnonzero(match < 0)[0])]
+    while todo:
+        r = todo.pop()
+        if r not in reached:
+            reached.add(r)
+            todo.extend(owner[w] for w in seats[r])
+    return sorted(reached)
+
+
+def _blocking(seats, labels, names) -> dict:
+    subset = _violating(seats)
+    workers = sorted(names[w] for w in set().union(*(seats[i] for i in subset)))
+    text = f"{len(subset)} members compete for {len(workers)} workers"
+    if len(workers) == 1:
+        text = f"{len(subset)} members compete for 1 worker"
+    return {"members": [labels[i] for i in subset], "workers": workers, "text": text}
+
+
+def _shortfall(seats, labels, names) -> dict:
+    """What keeps one zone from seating every member."""
+    unseated = [labels[i] for i, s in enumerate(seats) if not s]
+    if unseated:
+        return {"members": unseated, "text": "no seat for " + ", ".join(unseated)}
+    return _blocking(seats, labels, names)
+
+
+def _summary(out: dict) -> str:
+    unseated = [m for m in out["members"] if not m["candidates"]]
+    if unseated:
+        if not out["members"][0]["others"]:
+            return "Waiting: no worker is connected."
+        parts = []
+        for m in unseated:
+            counts = Counter(o["reason"] for o in m["others"])
+            why = ", ".join(f"{reason}: {n}" for reason, n in counts.most_common())
+            parts.append(f"{m['member']} ({why})")
+        return "Waiting: no worker can seat " + "; ".join(parts) + "."
+    if "blocking" in out:
+        b = out["blocking"]
+        return (
+            f"Waiting: {b['text']}: {', '.join(b['members'])} can only sit on "
+            f"{', '.join(b['workers'])}."
+        )
+    zones = out.get("zones")
+    if zones is not None and not zones["full"]:
+        parts = [f"{_zone(z['zone'])}: {z['text']}" for z in zones["short"]]
+        return "Waiting: no single zone can seat every member (" + "; ".join(parts) + ")."
+    where = f" in {', '.join(map(_zone, zones['full']))}" if zones else ""
+    return (
+        f"Not blocked: every member has a seat{where}; the next dispatch pass should start it "
+        "unless a cluster ahead of it in the book takes those workers first."
+    )
+
+
+def _zone(zone: str | None) -> str:
+    return "the zoneless workers" if zone is None else f"zone {zone}"
