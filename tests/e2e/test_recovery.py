@@ -1,0 +1,98 @@
+"""Recovery end to end: a member's worker process killed mid-attempt, and the operator's abort."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from clusters.models import ClusterAttempt, ClusterJob
+from gradient.jobs.models import DispatchedJob
+from tests.e2e.conftest import ROOT, VENV_BIN
+from tests.e2e.fleet import q, until
+from tests.e2e.test_cluster_dispatch import history, submit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
+
+
+async def worker_process(name, url, env, log_dir, job_secs="6-6"):
+    """One reference worker in a process of its own (so it can be killed), named NAME-0."""
+    log = open(log_dir / f"fleet-{name}.log", "w")  # noqa: SIM115 - closed by the caller
+    proc = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "python"),
+        "manage.py",
+        "simulate_workers",
+        "--count",
+        "1",
+        "--prefix",
+        name,
+        "--job-secs",
+        job_secs,
+        "--url",
+        url,
+        cwd=str(ROOT),
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    return proc, log
+
+
+async def test_a_killed_members_worker_fails_the_attempt_and_the_retry_avoids_it(
+    stack, process_env, tmp_path
+):
+    env = {**process_env, "GRADIENT_WORKER_TIMEOUT_SECS": "120"}
+    fleet = {n: await worker_process(n, stack, env, tmp_path) for n in ("x", "y", "z")}
+    try:
+        # Wait for all three to be connected before submitting.
+        from workers.models import Worker
+
+        await until(
+            lambda: Worker.objects.filter(channel_name__isnull=False).count() == 3, timeout=30
+        )
+        cluster = await submit("server:eval", "client:build", retry_budget=2)
+        first = await until(
+            lambda: ClusterAttempt.objects.filter(
+                cluster_job_id=cluster, started_at__isnull=False
+            ).first(),
+            timeout=30,
+        )
+        seated = await q(
+            lambda: list(
+                DispatchedJob.objects.filter(cluster_attempt=first).values_list(
+                    "worker__name", flat=True
+                )
+            )
+        )
+        victim = seated[0].removesuffix("-0")
+        os.kill(fleet[victim][0].pid, signal.SIGKILL)
+
+        status = await until(
+            lambda: ClusterJob.objects.filter(pk=cluster, status="Completed").exists(),
+            timeout=60,
+        )
+        assert status
+        attempts = await q(lambda: history(cluster))
+        assert attempts[0]["id"] == str(first.pk)
+        assert attempts[0]["outcome"] in ("Failed", "Aborted")
+        assert await q(
+            lambda: (
+                not DispatchedJob.objects.filter(
+                    cluster_attempt=first, finished_at__isnull=True
+                ).exists()
+            )
+        )
+        last = attempts[-1]
+        assert last["outcome"] == "Succeeded"
+        workers = [s["worker"] for s in last["seats"]]
+        assert len(set(workers)) == 2 and f"{victim}-0" not in workers
+    finally:
+        for proc, _ in fleet.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, log in fleet.values():
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+            log.close()
