@@ -45,7 +45,7 @@ class ClusterJob(models.Model):
     class Meta:
         db_table = "cluster_job"
         indexes = [
-            # The dispatch pass and the retention pass select by status and age.
+            # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
         ]
 

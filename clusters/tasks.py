@@ -5,6 +5,7 @@ from celery.signals import worker_ready
 
 from clusters.dispatch import clear_wake, run_pass
 from clusters.recovery import recover
+from clusters.retention import run_retention
 
 
 @shared_task(name="clusters.dispatch", ignore_result=True)
@@ -18,6 +19,11 @@ def dispatch(woken: bool = False) -> dict:
 @shared_task(name="clusters.recover", ignore_result=True)
 def recover_clusters() -> None:
     recover()
+
+
+@shared_task(name="clusters.retention", ignore_result=True)
+def retention() -> int:
+    return run_retention()
 
 
 @worker_ready.connect

@@ -152,5 +152,6 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": GRADIENT["CLUSTER_DISPATCH_INTERVAL_SECS"],
     },
     "cluster-recovery": {"task": "clusters.recover", "schedule": 30.0},
+    "cluster-retention": {"task": "clusters.retention", "schedule": 3600.0},
     "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
 }

@@ -199,7 +199,6 @@ class DispatchedJob(models.Model):
                 condition=Q(finished_at__isnull=True),
                 name="idx-dispatched_job-open-worker",
             ),
-            models.Index(fields=["cluster_attempt"], name="idx-dispatched_job-attempt"),
         ]
 
     def __str__(self):

@@ -1,0 +1,141 @@
+"""Retention pass: 100,000 finished cluster jobs past the cutoff beside 100 active ones.
+
+    .venv/bin/python bench/retention.py [--repeat N]
+
+Every repetition rebuilds the rows with raw SQL (untimed): 100,000 finished clusters past the
+cutoff (every 100th with a member, a finished attempt and its dispatched_job row), 100 active
+ones as old (each with a member; the Running ones with an open attempt) and 100 young finished
+ones with members. Only run_retention() is timed, and it must delete exactly the 100,000.
+
+It uses its own database (--database-url, default gradient_bench_retention): created and
+migrated when missing, and emptied at the start of every repetition.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+FINISHED, ACTIVE, YOUNG = 100_000, 100, 100
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_retention"
+
+# One statement per group of clusters: the clusters, then for every `every`-th of them an
+# evaluation member, an attempt (open or finished) and the attempt's dispatched_job row.
+GROUP_SQL = """
+WITH c AS (
+    INSERT INTO cluster_job (project_id, status, same_zone, attempts, retry_budget,
+                             created_at, updated_at)
+    SELECT %(project)s, (%(statuses)s::text[])[1 + i %% cardinality(%(statuses)s::text[])],
+           false, 1, 0, %(at)s, %(at)s
+    FROM generate_series(1, %(n)s) i
+    RETURNING id
+), picked AS (
+    SELECT id AS cluster_id, gen_random_uuid() AS eval_id, gen_random_uuid() AS attempt_id,
+           CASE WHEN %(open)s THEN NULL ELSE %(at)s END AS finished_at
+    FROM c WHERE id %% %(every)s = 0
+), e AS (
+    INSERT INTO evaluation (id, project_id, architecture, required_features, paths,
+                            prioritized, created_at, updated_at, status)
+    SELECT eval_id, %(project)s, 'x86_64-linux', '{}', '{}', false, %(at)s, %(at)s, 'Completed'
+    FROM picked
+), m AS (
+    INSERT INTO cluster_member (cluster_job_id, evaluation_id, role, "primary")
+    SELECT cluster_id, eval_id, 'server', true FROM picked
+), a AS (
+    INSERT INTO cluster_attempt (id, cluster_job_id, created_at, started_at, finished_at, outcome)
+    SELECT attempt_id, cluster_id, %(at)s, %(at)s, finished_at,
+           CASE WHEN finished_at IS NULL THEN NULL ELSE 'Succeeded' END
+    FROM picked
+)
+INSERT INTO dispatched_job (id, kind, job_id, steps, dispatched_at, finished_at, outcome,
+                            cluster_attempt_id, worker_id, evaluation_id, project_id)
+SELECT gen_random_uuid(), 'eval', 'eval:' || eval_id, '{}', %(at)s, finished_at,
+       CASE WHEN finished_at IS NULL THEN NULL ELSE 'Completed' END,
+       attempt_id, %(worker)s, eval_id, %(project)s
+FROM picked
+"""
+
+
+def populate(cursor, old, young) -> None:
+    """FINISHED finished clusters and ACTIVE active ones updated at `old`, YOUNG finished
+    ones (all with members) at `young`, under a project and worker of their own."""
+    from gradient.jobs.models import Project
+    from workers.models import Worker
+
+    name = f"retention-{uuid.uuid4()}"
+    project = Project.objects.create(name=name).pk
+    worker = Worker.objects.create(name=name, token_hash=uuid.uuid4().hex).pk
+    groups = [
+        (FINISHED, ["Completed", "Failed", "Aborted"], old, 100, False),
+        (ACTIVE // 2, ["Queued"], old, 1, False),
+        (ACTIVE - ACTIVE // 2, ["Running"], old, 1, True),
+        (YOUNG, ["Completed"], young, 1, False),
+    ]
+    for n, statuses, at, every, is_open in groups:
+        cursor.execute(
+            GROUP_SQL,
+            {
+                "project": project,
+                "worker": worker,
+                "n": n,
+                "statuses": statuses,
+                "at": at,
+                "every": every,
+                "open": is_open,
+            },
+        )
+    cursor.execute("ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--database-url", default=DATABASE_URL)
+    args = parser.parse_args()
+
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+    # Never an ambient DATABASE_URL: every repetition empties the database.
+    os.environ["DATABASE_URL"] = args.database_url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
+    import django
+
+    django.setup()
+    import psycopg
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.db import connection
+    from django.utils import timezone
+    from psycopg import sql
+
+    from clusters.retention import BATCH, run_retention
+
+    name = connection.settings_dict["NAME"]
+    with psycopg.connect(args.database_url, dbname="postgres", autocommit=True) as c:
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    call_command("migrate", verbosity=0)
+
+    days = settings.GRADIENT["RETENTION_DAYS"]
+    times = []
+    for _ in range(args.repeat):
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "TRUNCATE dispatched_job, cluster_attempt, cluster_member, cluster_job,"
+                " evaluation, derivation_build, worker, project CASCADE"
+            )
+            populate(cursor, now - timedelta(days=days + 1), now)
+        began = time.perf_counter()
+        deleted = run_retention()
+        times.append(time.perf_counter() - began)
+        assert deleted == FINISHED, deleted
+        print(f"deleted {deleted} (batches of {BATCH}) in {times[-1]:.2f} s", flush=True)
+    print(f"median {statistics.median(times):.2f} s over {len(times)} runs")
+
+
+if __name__ == "__main__":
+    main()

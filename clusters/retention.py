@@ -1,0 +1,69 @@
+"""The hourly retention pass (spec: Tables, cluster_member and cluster_attempt ON DELETE CASCADE).
+
+It deletes a finished cluster job past GRADIENT_RETENTION_DAYS (0 disables the pass), and at
+once a finished one that evaluation garbage collection left without members. It never deletes
+an active cluster job, nor one with an open attempt whatever its status says.
+
+The database does the deleting: the cascades take the members and attempts, and the member
+rows in dispatched_job stay as telemetry with cluster_attempt NULL. Each batch is its own short
+transaction, so a backlog never holds long locks. Rows are taken FOR UPDATE SKIP LOCKED, so
+a second pass (or a claim or close holding a cluster's row) is skipped rather than waited on,
+and no row is deleted twice; the advisory lock only saves a second pass the work.
+"""
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from clusters.models import CLUSTER_TERMINAL
+
+PASS_LOCK = 0x6772_6164_7265  # advisory lock key of the retention pass
+BATCH = 1_000
+
+# Ordered by id and resumed after the last batch, so each batch reads only rows not yet seen.
+EXPIRED_SQL = """
+SELECT c.id FROM cluster_job c
+WHERE c.id > %(after)s
+  AND c.status = ANY(%(finished)s)
+  AND (c.updated_at < %(cutoff)s
+       OR NOT EXISTS (SELECT 1 FROM cluster_member m WHERE m.cluster_job_id = c.id))
+  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+ORDER BY c.id
+LIMIT %(batch)s
+FOR UPDATE OF c SKIP LOCKED
+"""
+
+
+def try_lock(cursor) -> bool:
+    cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [PASS_LOCK])
+    return cursor.fetchone()[0]
+
+
+def run_retention(batch: int = BATCH) -> int:
+    """Delete the cluster jobs retention allows, batch by batch; how many it deleted."""
+    days = settings.GRADIENT["RETENTION_DAYS"]
+    if days <= 0:
+        return 0
+    params = {
+        "after": 0,
+        "finished": sorted(CLUSTER_TERMINAL),
+        "cutoff": timezone.now() - timedelta(days=days),
+        "batch": batch,
+    }
+    deleted = 0
+    while True:
+        with transaction.atomic(), connection.cursor() as cursor:
+            if not try_lock(cursor):
+                return deleted  # another pass is at it
+            cursor.execute(EXPIRED_SQL, params)
+            ids = [row[0] for row in cursor.fetchall()]
+            if not ids:
+                return deleted
+            cursor.execute("DELETE FROM cluster_job WHERE id = ANY(%s)", [ids])
+            deleted += cursor.rowcount
+        if len(ids) < batch:
+            return deleted
+        params["after"] = ids[-1]
