@@ -1,9 +1,14 @@
 """Cluster jobs and their attempts, read-only: `submit_cluster` creates them, passes move them."""
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count
+from django.template.response import TemplateResponse
 
-from clusters.models import ClusterAttempt, ClusterJob, ClusterMember
+from clusters.abort import MAX_REASON_CHARS, AbortRefused, abort_cluster
+from clusters.models import CLUSTER_TERMINAL, ClusterAttempt, ClusterJob, ClusterMember
 from gradient.jobs.admin import ViewOnlyMixin
 from gradient.jobs.models import DispatchedJob
 
@@ -19,6 +24,15 @@ class AttemptInline(ViewOnlyMixin, admin.TabularInline):
     fields = ["id", "created_at", "started_at", "finished_at", "outcome"]
     readonly_fields = ["id"]
     show_change_link = True
+
+
+class AbortForm(forms.Form):
+    reason = forms.CharField(
+        max_length=MAX_REASON_CHARS,
+        required=False,
+        help_text="Told to the workers with the abort.",
+        widget=forms.TextInput(attrs={"size": 60}),
+    )
 
 
 @admin.register(ClusterJob)
@@ -48,6 +62,47 @@ class ClusterJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
         "updated_at",
     ]
     inlines = [MemberInline, AttemptInline]
+    actions = ["abort_selected"]
+
+    def has_abort_permission(self, request):
+        # The form stays read-only (no change permission through the admin); aborting, which
+        # goes through the verdict path, is for staff holding the model's change permission.
+        user = request.user
+        return user.is_active and user.is_staff and user.has_perm("clusters.change_clusterjob")
+
+    @admin.action(description="Abort selected clusters", permissions=["abort"])
+    def abort_selected(self, request, queryset):
+        if not self.has_abort_permission(request):
+            raise PermissionDenied
+        clusters = list(queryset.select_related("project").order_by("pk"))
+        form = AbortForm(request.POST if request.POST.get("post") == "yes" else None)
+        if not form.is_valid():  # the confirmation page, or its form again with the error
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Abort clusters: are you sure?",
+                "opts": self.opts,
+                "media": self.media,
+                "clusters": [(c, c.status in CLUSTER_TERMINAL) for c in clusters],
+                "form": form,
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(
+                request, "admin/clusters/clusterjob/abort_selected_confirmation.html", context
+            )
+        reason = form.cleaned_data["reason"] or f"aborted by {request.user.get_username()}"
+        aborted, skipped = [], []
+        for cluster in clusters:
+            try:
+                abort_cluster(cluster.pk, reason)
+            except AbortRefused as refused:  # finished, or finished meanwhile: nothing changed
+                skipped.append(str(refused))
+            else:
+                aborted.append(str(cluster.pk))
+        if aborted:
+            self.message_user(request, f"Aborted cluster(s) {', '.join(aborted)}.")
+        if skipped:
+            self.message_user(request, f"Skipped: {'; '.join(skipped)}.", messages.WARNING)
+        return None  # back to the list
 
     def get_queryset(self, request):
         # distinct: a search by role joins members a second time and would multiply the count.

@@ -14,8 +14,10 @@ from django.utils import timezone
 from clusters.claim import fail_prepare_attempt, start_cluster_attempt
 from clusters.models import ClusterAttempt, ClusterMember
 from clusters.tracking import role_indexes
+from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import DispatchedJob
+from gradient.logs import ids
 from workers.groups import send_frames
 from workers.protocol import (
     AbortCluster,
@@ -77,7 +79,12 @@ def member_accepted(worker_id: int, job_id: str) -> bool:
     ]
     start = StartCluster(attempt=str(attempt_id), roster=roster)
     send_frames([(row.worker_id, start) for row, _, _ in seats])
-    log.info("attempt %s started with %d members", attempt_id, len(seats))
+    log.info(
+        "attempt %s started with %d members",
+        attempt_id,
+        len(seats),
+        extra=ids(attempt=attempt_id, worker=[row.worker_id for row, _, _ in seats]),
+    )
     return True
 
 
@@ -88,7 +95,7 @@ def abort_prepare(attempt_id, reason: str) -> bool:
     if not fail_prepare_attempt(attempt_id):
         return False
     notify_abort(attempt_id, reason)
-    log.info("attempt %s prepare failed: %s", attempt_id, reason)
+    log.info("attempt %s prepare failed: %s", attempt_id, reason, extra=ids(attempt=attempt_id))
     return True
 
 
@@ -141,4 +148,5 @@ def forward_signal(worker_id: int, attempt: str, to: MemberRef | None, payload) 
         attempt=attempt, **{"from": MemberRef(role=sender[1], index=sender[2])}, payload=payload
     )
     send_frames([(row.worker_id, message) for row, _, _ in targets])
+    metrics.count_signal_forwarded()
     return len(targets)

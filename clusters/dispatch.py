@@ -21,8 +21,10 @@ from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_cluster
 from clusters.recovery import expire_overdue_prepares
 from clusters.tracking import MemberRow, StartableCluster, startable_clusters
+from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import JobKind
+from gradient.logs import ids
 from workers.groups import send_frames
 from workers.models import IdleSlot, JobScore, Worker
 from workers.protocol import AssignJob, ClusterHold, JobSpec
@@ -168,7 +170,16 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
                 ),
             )
         )
-    log.info("cluster %s claimed as attempt %s", placement.cluster_id, claim.attempt_id)
+    log.info(
+        "cluster %s claimed as attempt %s",
+        placement.cluster_id,
+        claim.attempt_id,
+        extra=ids(
+            cluster=placement.cluster_id,
+            attempt=claim.attempt_id,
+            worker=[seat.worker.id for seat, _ in members],
+        ),
+    )
     return frames
 
 
@@ -238,6 +249,7 @@ def run_pass(wait: bool = False) -> PassResult:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK])
         result.seconds = time.monotonic() - began
+        metrics.observe_dispatch_pass(result.seconds)
     return result
 
 

@@ -34,6 +34,7 @@ from gradient.jobs.models import (
     EvaluationStatus,
 )
 from gradient.jobs.transitions import advance_build, advance_evaluation
+from gradient.logs import ids
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,12 @@ def settle(attempt: ClusterAttempt, verdict: Verdict, rows: list[DispatchedJob])
             row.finished_at, row.outcome = now, "Abandoned"
     set_cluster_status(attempt.cluster_job_id, CLUSTER_STATUS[verdict], now)
     _settle_jobs(verdict, attempt.pk, rows)
-    log.info("attempt %s decided %s", attempt.pk, verdict)
+    log.info(
+        "attempt %s decided %s",
+        attempt.pk,
+        verdict,
+        extra=ids(cluster=attempt.cluster_job_id, attempt=attempt.pk),
+    )
     return survivors
 
 

@@ -20,6 +20,7 @@ from django.utils import timezone
 from clusters import planner
 from clusters.models import ClusterReservation, ClusterStatus, ReservationSeat
 from clusters.tracking import StartableCluster
+from gradient.logs import ids
 from workers.models import IdleSlot, JobScore, Worker
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,10 @@ def reserve(placement: planner.Placement, now) -> ClusterReservation | None:
     except IntegrityError:
         return None  # one at a time: another pass reserved first
     log.info(
-        "cluster %s reserved %s", placement.cluster_id, [s.worker.name for s in placement.seats]
+        "cluster %s reserved %s",
+        placement.cluster_id,
+        [s.worker.name for s in placement.seats],
+        extra=ids(cluster=placement.cluster_id, worker=[s.worker.id for s in placement.seats]),
     )
     return reservation
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -138,13 +139,27 @@ GRADIENT = {
     "WORKER_RATE_BURST": env.int("GRADIENT_WORKER_RATE_BURST", 200),
 }
 
+# GRADIENT_LOG_FORMAT=json: one JSON object per line, with the cluster, attempt and worker ids
+# a record carries (gradient/logs.py); plain: the usual text line.
+LOG_FORMAT = env.str("GRADIENT_LOG_FORMAT", default="plain")
+if LOG_FORMAT not in ("plain", "json"):
+    raise ImproperlyConfigured(f"GRADIENT_LOG_FORMAT must be plain or json, not {LOG_FORMAT!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "json": {"()": "gradient.logs.JsonFormatter"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env.str("GRADIENT_LOG_LEVEL", default="INFO")},
 }
+# A Celery worker replaces the root logger's handlers with its own unless told not to; the
+# passes it runs then log through the JSON formatter too.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = LOG_FORMAT != "json"
+
+# When set, GET /metrics requires `Authorization: Bearer <token>`; unset, it is open.
+METRICS_TOKEN = env.str("GRADIENT_METRICS_TOKEN", default="")
 
 CELERY_BEAT_SCHEDULE = {
     "cluster-dispatch": {

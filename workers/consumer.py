@@ -11,7 +11,9 @@ from django.conf import settings
 
 from clusters import coordinator
 from clusters.dispatch import wake_dispatch
+from gradient import metrics
 from gradient.errors import NotAllowed
+from gradient.logs import ids
 from workers import assignment, connection, reports
 from workers.groups import worker_group
 from workers.protocol import (
@@ -102,14 +104,19 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         if previous and previous != self.channel_name:
             await self.channel_layer.send(previous, {"type": "session.replaced"})
         await self.accept()
-        log.info("worker %s connected", self.worker_name)
+        log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
     async def disconnect(self, code):
         if self.worker_id is None:
             return
         await self.channel_layer.group_discard(worker_group(self.worker_id), self.channel_name)
         if await db(connection.detach)(self.worker_id, self.channel_name):
-            log.info("worker %s disconnected (%s)", self.worker_name, code)
+            log.info(
+                "worker %s disconnected (%s)",
+                self.worker_name,
+                code,
+                extra=ids(worker=self.worker_id),
+            )
 
     async def reply(self, message: Message):
         await self.send(text_data=message.frame())
@@ -191,9 +198,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         )
 
     async def on_ClusterSignal(self, signal: ClusterSignal):
-        await db(coordinator.forward_signal)(
-            self.worker_id, signal.attempt, signal.to, signal.payload
-        )
+        try:
+            await db(coordinator.forward_signal)(
+                self.worker_id, signal.attempt, signal.to, signal.payload
+            )
+        except NotAllowed:
+            await db(metrics.count_signal_dropped)()
+            raise
 
     async def on_Draining(self, _: Draining):
         await db(connection.start_draining)(self.worker_id)

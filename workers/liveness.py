@@ -9,6 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from clusters.recovery import report_lost_members
+from gradient.logs import ids
 from workers.connection import abandon_single_assignments
 from workers.groups import send_to_worker_on_commit
 from workers.models import Worker
@@ -34,5 +35,5 @@ def disconnect_silent_workers(now=None) -> list[int]:
         if gone and gone[-1] == worker_id:
             report_lost_members(worker_id)
     if gone:
-        log.info("disconnected %d silent worker(s): %s", len(gone), gone)
+        log.info("disconnected %d silent worker(s): %s", len(gone), gone, extra=ids(worker=gone))
     return gone

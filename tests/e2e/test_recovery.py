@@ -1,6 +1,7 @@
 """Recovery end to end: a member's worker process killed mid-attempt, and the operator's abort."""
 
 import asyncio
+import json
 import os
 import signal
 
@@ -96,3 +97,39 @@ async def test_a_killed_members_worker_fails_the_attempt_and_the_retry_avoids_it
             except TimeoutError:
                 proc.kill()
             log.close()
+
+
+async def test_abort_cluster_on_a_running_cluster_ends_it_aborted_with_every_worker_told(
+    stack, process_env
+):
+    from tests.e2e.fleet import fleet
+
+    slow = {"job_secs": (20.0, 20.0)}
+    async with fleet(stack, {"p": slow, "q": slow}) as workers:
+        cluster = await submit("server:eval", "client:build")
+        for w in workers.values():
+            await w.wait_event("started", timeout=30)
+        proc = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "python"),
+            "manage.py",
+            "abort_cluster",
+            str(cluster),
+            "--reason",
+            "operator says stop",
+            cwd=str(ROOT),
+            env=process_env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err
+        assert json.loads(out) == {"cluster": cluster, "status": "Aborted"}
+        for w in workers.values():
+            failed = await w.wait_event("failed", timeout=10)
+            assert failed["kind"] == "aborted" and "operator says stop" in failed["error"]
+        assert await q(lambda: ClusterJob.objects.get(pk=cluster).status) == "Aborted"
+        [attempt] = await q(lambda: history(cluster))
+        assert attempt["outcome"] == "Aborted"
+        # The workers' own JobFailed{aborted} reports arrive after the verdict: no errors.
+        await asyncio.sleep(0.5)
+        assert all(not w.errors for w in workers.values()), [w.errors for w in workers.values()]

@@ -3,6 +3,7 @@ object on stdout and exit 0, or one line on stderr and a non-zero exit with noth
 
 import argparse
 import json
+import logging
 import sys
 
 from django.core.management.base import BaseCommand, CommandError
@@ -39,7 +40,12 @@ class JsonCommand(BaseCommand):
         raise NotImplementedError
 
     def handle(self, *args, **options):
-        self.stdout.write(json.dumps(self.run(**options)))
+        # stderr is the error line's alone: the services' progress logs stay quiet here.
+        logging.disable(logging.INFO)
+        try:
+            self.stdout.write(json.dumps(self.run(**options)))
+        finally:
+            logging.disable(logging.NOTSET)
 
     def create_parser(self, prog_name, subcommand, **kwargs):
         parser = super().create_parser(prog_name, subcommand, **kwargs)

@@ -1,0 +1,319 @@
+"""Metrics at /metrics, in Prometheus' exposition format.
+
+Every process is stateless and several run at once, so no process keeps counts of its own: a
+scrape (served by any daphne) asks PostgreSQL what its rows say, through one collector evaluated
+at scrape time, and every histogram over rows is counted by the database (one aggregate per
+histogram, never the rows themselves). What happens in some process without leaving a row (a
+dispatch pass's duration, a ClusterSignal forwarded or dropped) is recorded in Redis, best
+effort: a Redis that is down or slow costs a lost sample, never the pass or the session.
+
+    gradient_clusters{status}                       gauge, clusters by status
+    gradient_cluster_attempts_total{outcome}        counter, finished attempts by outcome
+    gradient_cluster_attempts_open{phase}           gauge, open attempts: preparing or started
+    gradient_cluster_queued_to_started_seconds      histogram, cluster created -> first start
+    gradient_cluster_prepare_seconds{result}        histogram, attempt created -> started
+                                                    (result="started") or -> PrepareFailed
+                                                    (result="failed")
+    gradient_idle_slots{kind}                       gauge, idle slots younger than the TTL
+    gradient_connected_workers                      gauge
+    gradient_dispatch_pass_seconds                  histogram (Redis)
+    gradient_signals_forwarded_total                counter (Redis)
+    gradient_signals_dropped_total                  counter (Redis)
+    gradient_metrics_redis_up                       gauge, 0 when the Redis part is missing
+
+The row counts drop when the retention pass deletes old clusters; Prometheus reads a drop as a
+counter reset.
+"""
+
+import hmac
+import logging
+import time
+from datetime import timedelta
+
+import redis
+from django.conf import settings
+from django.db import connection
+from django.db.models import Count
+from django.http import HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_safe
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# From seconds (a free fleet) to a day (a cluster waiting on a busy one).
+QUEUED_TO_STARTED_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+# Around GRADIENT_CLUSTER_PREPARE_TIMEOUT_SECS (30 by default).
+PREPARE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 120)
+
+
+# Recording, in Redis: one HASH per metric. A histogram keeps one field per bucket (not
+# cumulative: one HINCRBY per sample) and its sum; the collector adds the buckets up.
+
+PASS_KEY = "gradient:metrics:dispatch_pass_seconds"
+COUNTERS_KEY = "gradient:metrics:counters"
+FORWARDED = "signals_forwarded"
+DROPPED = "signals_dropped"
+# After a failed write, a process stops trying for this long: an outage must not cost every
+# pass and every signal a connection timeout.
+REDIS_BACKOFF_SECS = 10.0
+REDIS_TIMEOUT_SECS = 0.5
+
+_clients: dict[str, redis.Redis] = {}
+_down_until: dict[str, float] = {}
+
+
+def _client(url: str) -> redis.Redis:
+    client = _clients.get(url)
+    if client is None:
+        client = _clients[url] = redis.Redis.from_url(
+            url,
+            socket_timeout=REDIS_TIMEOUT_SECS,
+            socket_connect_timeout=REDIS_TIMEOUT_SECS,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+    return client
+
+
+def _record(write) -> None:
+    url = settings.REDIS_URL
+    if time.monotonic() < _down_until.get(url, 0.0):
+        return
+    try:
+        pipe = _client(url).pipeline()
+        write(pipe)
+        pipe.execute()
+    except Exception as exc:
+        _down_until[url] = time.monotonic() + REDIS_BACKOFF_SECS
+        log.warning(
+            "could not record a metric in Redis (%s); next try in %gs", exc, REDIS_BACKOFF_SECS
+        )
+
+
+def _bucket(value: float, buckets) -> str:
+    return floatToGoString(next((b for b in buckets if value <= b), float("inf")))
+
+
+def observe_dispatch_pass(seconds: float) -> None:
+    def write(pipe):
+        pipe.hincrby(PASS_KEY, _bucket(seconds, PASS_BUCKETS), 1)
+        pipe.hincrbyfloat(PASS_KEY, "sum", seconds)
+
+    _record(write)
+
+
+def count_signal_forwarded() -> None:
+    _record(lambda pipe: pipe.hincrby(COUNTERS_KEY, FORWARDED, 1))
+
+
+def count_signal_dropped() -> None:
+    _record(lambda pipe: pipe.hincrby(COUNTERS_KEY, DROPPED, 1))
+
+
+# Collecting, at scrape time.
+
+
+def _cumulative(counts: dict[str, int], buckets) -> list[tuple[str, int]]:
+    out, total = [], 0
+    for le in [*map(floatToGoString, buckets), "+Inf"]:
+        total += counts.get(le, 0)
+        out.append((le, total))
+    return out
+
+
+def _histograms(durations_sql: str, buckets, params=()) -> dict[str, tuple[list, float]]:
+    """Count `durations_sql` (rows of label, seconds) into buckets in one aggregate:
+    {label: (cumulative buckets, sum)}."""
+    filters = ", ".join("count(*) FILTER (WHERE s <= %s)" for _ in buckets)
+    sql = (
+        f"SELECT label, count(*), coalesce(sum(s), 0), {filters} "
+        f"FROM ({durations_sql}) AS d GROUP BY label"
+    )
+    out = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*buckets, *params])  # in the order they appear
+        for label, count, total, *le in cursor.fetchall():
+            pairs = [(floatToGoString(b), n) for b, n in zip(buckets, le, strict=True)]
+            out[label] = ([*pairs, ("+Inf", count)], float(total))
+    return out
+
+
+def _empty(buckets) -> tuple[list, float]:
+    return _cumulative({}, buckets), 0.0
+
+
+ATTEMPTS_SQL = """
+SELECT outcome, finished_at IS NULL, started_at IS NOT NULL, count(*)
+FROM cluster_attempt GROUP BY 1, 2, 3
+"""
+
+# A cluster's wait: created -> its first started attempt (a retry's wait is not counted again).
+QUEUED_TO_STARTED_SQL = """
+SELECT '' AS label, greatest(0, extract(epoch FROM first.started_at - c.created_at)) AS s
+FROM (
+    SELECT cluster_job_id, min(started_at) AS started_at FROM cluster_attempt
+    WHERE started_at IS NOT NULL GROUP BY cluster_job_id
+) AS first
+JOIN cluster_job c ON c.id = first.cluster_job_id
+"""
+
+# A prepare: attempt created -> started, or -> closed PrepareFailed.
+PREPARE_SQL = """
+SELECT CASE WHEN started_at IS NOT NULL THEN 'started' ELSE 'failed' END AS label,
+       greatest(0, extract(epoch FROM coalesce(started_at, finished_at) - created_at)) AS s
+FROM cluster_attempt
+WHERE started_at IS NOT NULL OR outcome = %s
+"""
+
+
+def database_metrics():
+    from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
+    from gradient.jobs.models import JobKind
+    from workers.models import IdleSlot, Worker
+
+    clusters = GaugeMetricFamily("gradient_clusters", "Cluster jobs by status.", labels=["status"])
+    by_status = dict.fromkeys(ClusterStatus.values, 0)
+    for row in ClusterJob.objects.order_by().values("status").annotate(n=Count("pk")):
+        by_status[row["status"]] = row["n"]
+    for status, n in by_status.items():
+        clusters.add_metric([status], n)
+    yield clusters
+
+    finished = dict.fromkeys(AttemptOutcome.values, 0)
+    open_ = {"preparing": 0, "started": 0}
+    with connection.cursor() as cursor:
+        cursor.execute(ATTEMPTS_SQL)
+        for outcome, is_open, started, n in cursor.fetchall():
+            if not is_open:
+                finished[outcome] = finished.get(outcome, 0) + n
+            else:
+                open_["started" if started else "preparing"] += n
+    attempts = CounterMetricFamily(
+        "gradient_cluster_attempts", "Finished cluster attempts by outcome.", labels=["outcome"]
+    )
+    for outcome, n in finished.items():
+        attempts.add_metric([outcome], n)
+    yield attempts
+    opened = GaugeMetricFamily(
+        "gradient_cluster_attempts_open",
+        "Open cluster attempts: preparing (waiting for acceptances) or started.",
+        labels=["phase"],
+    )
+    for phase, n in open_.items():
+        opened.add_metric([phase], n)
+    yield opened
+
+    waits = _histograms(QUEUED_TO_STARTED_SQL, QUEUED_TO_STARTED_BUCKETS)
+    queued = HistogramMetricFamily(
+        "gradient_cluster_queued_to_started_seconds",
+        "Seconds from a cluster's creation to the start of its first started attempt.",
+    )
+    queued.add_metric([], *waits.get("", _empty(QUEUED_TO_STARTED_BUCKETS)))
+    yield queued
+
+    prepares = _histograms(PREPARE_SQL, PREPARE_BUCKETS, [AttemptOutcome.PREPARE_FAILED])
+    prepare = HistogramMetricFamily(
+        "gradient_cluster_prepare_seconds",
+        "Seconds from an attempt's claim to its start (result=started) or failed prepare.",
+        labels=["result"],
+    )
+    for result in ("started", "failed"):
+        prepare.add_metric([result], *prepares.get(result, _empty(PREPARE_BUCKETS)))
+    yield prepare
+
+    since = timezone.now() - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    idle = GaugeMetricFamily(
+        "gradient_idle_slots",
+        "Idle slots recorded within GRADIENT_IDLE_SLOT_TTL_SECS, by kind.",
+        labels=["kind"],
+    )
+    by_kind = dict.fromkeys(JobKind.values, 0)
+    for row in (
+        IdleSlot.objects.filter(recorded_at__gte=since)
+        .order_by()
+        .values("kind")
+        .annotate(n=Count("pk"))
+    ):
+        by_kind[row["kind"]] = row["n"]
+    for kind, n in by_kind.items():
+        idle.add_metric([kind], n)
+    yield idle
+
+    yield GaugeMetricFamily(
+        "gradient_connected_workers",
+        "Workers with a live session.",
+        value=Worker.objects.filter(channel_name__isnull=False).count(),
+    )
+
+
+def redis_metrics():
+    try:
+        pipe = _client(settings.REDIS_URL).pipeline()
+        pipe.hgetall(PASS_KEY)
+        pipe.hgetall(COUNTERS_KEY)
+        passes, counters = pipe.execute()
+    except Exception as exc:
+        log.warning("could not read the metrics kept in Redis (%s)", exc)
+        yield GaugeMetricFamily(
+            "gradient_metrics_redis_up", "1 when the metrics kept in Redis were read.", value=0
+        )
+        return
+    yield GaugeMetricFamily(
+        "gradient_metrics_redis_up", "1 when the metrics kept in Redis were read.", value=1
+    )
+    buckets = {le: int(n) for le, n in passes.items() if le != "sum"}
+    histogram = HistogramMetricFamily(
+        "gradient_dispatch_pass_seconds", "Seconds a cluster-dispatch pass took (when it ran)."
+    )
+    histogram.add_metric([], _cumulative(buckets, PASS_BUCKETS), float(passes.get("sum", 0)))
+    yield histogram
+    yield CounterMetricFamily(
+        "gradient_signals_forwarded",
+        "ClusterSignals forwarded within a started attempt.",
+        value=int(counters.get(FORWARDED, 0)),
+    )
+    yield CounterMetricFamily(
+        "gradient_signals_dropped",
+        "ClusterSignals refused (not_allowed): no started attempt, not a member, no such member.",
+        value=int(counters.get(DROPPED, 0)),
+    )
+
+
+class GradientCollector:
+    """Everything at scrape time; no describe(), so registering it queries nothing."""
+
+    def collect(self):
+        yield from database_metrics()
+        yield from redis_metrics()
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(GradientCollector())
+
+
+def _authorized(request) -> bool:
+    token = settings.METRICS_TOKEN
+    if not token:
+        return True
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    )
+
+
+@require_safe
+def metrics_view(request):
+    """GET /metrics. With GRADIENT_METRICS_TOKEN set, only for `Authorization: Bearer <token>`."""
+    if not _authorized(request):
+        response = HttpResponse("unauthorized\n", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return HttpResponse(encoder(REGISTRY), content_type=content_type)
