@@ -35,11 +35,6 @@ def close_revoked_on_commit(worker_id: int) -> None:
     send_to_worker_on_commit(worker_id, {"type": "worker.revoked"})
 
 
-def send_frame_on_commit(worker_id: int, frame) -> None:
-    """Sends a protocol message (workers.protocol) to the worker's live session after commit."""
-    send_to_worker_on_commit(worker_id, {"type": "worker.send", "frame": frame.frame()})
-
-
 def send_frames(frames: list[tuple[int, object]]) -> None:
     """Sends protocol messages now (outside any transaction); best effort, like every send."""
     layer = get_channel_layer()
