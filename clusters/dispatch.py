@@ -20,7 +20,13 @@ from django.utils import timezone
 from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_cluster
 from clusters.recovery import expire_overdue_prepares
-from clusters.tracking import MemberRow, StartableCluster, startable_clusters
+from clusters.tracking import (
+    MemberRow,
+    StartableCluster,
+    planned_cluster,
+    planned_worker,
+    startable_clusters,
+)
 from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import JobKind
@@ -71,17 +77,7 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
     ).values_list("worker_id", "project_id"):
         access.setdefault(worker_id, set()).add(project_id)
     workers = tuple(
-        planner.Worker(
-            id=w.pk,
-            name=w.name,
-            zone=w.zone,
-            idle_kinds=frozenset(idle[w.pk]),
-            architectures=frozenset(w.architectures),
-            features=frozenset(w.system_features),
-            projects=None if w.all_projects else frozenset(access.get(w.pk, ())),
-            can_eval=w.can_eval,
-            can_build=w.can_build,
-        )
+        planned_worker(w, idle[w.pk], frozenset(access.get(w.pk, ())))
         for w in Worker.objects.filter(pk__in=list(idle)).order_by("pk")
     )
     keys = [m.key for c in clusters for m in c.members]
@@ -91,26 +87,7 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
     ).values_list("worker_id", "job_id", "missing_nar_size"):
         scores.setdefault(job_id, {})[worker_id] = size
     return planner.Snapshot(
-        clusters=tuple(
-            planner.Cluster(
-                id=c.id,
-                same_zone=c.same_zone,
-                members=tuple(
-                    planner.Member(
-                        key=m.key,
-                        kind=m.kind,
-                        role=m.role,
-                        index=m.index,
-                        pin=m.pin,
-                        architecture=m.architecture,
-                        features=frozenset(m.features),
-                        project_id=m.project_id,
-                    )
-                    for m in c.members
-                ),
-            )
-            for c in clusters
-        ),
+        clusters=tuple(planned_cluster(c) for c in clusters),
         workers=workers,
         scores={},
         scores_by_job=scores,

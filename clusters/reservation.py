@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from clusters import planner
 from clusters.models import ClusterReservation, ClusterStatus, ReservationSeat
-from clusters.tracking import StartableCluster
+from clusters.tracking import StartableCluster, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.models import IdleSlot, JobScore, Worker
 
@@ -103,27 +103,13 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
             if (w.pk, member.kind) in idle:
                 scores.setdefault(member.key, {})[w.pk] = known.get(member.key, {}).get(w.pk, top)
     snapshot = planner.Snapshot(
-        clusters=(
-            planner.Cluster(
-                id=cluster.id,
-                same_zone=cluster.same_zone,
-                members=tuple(member_of(m) for m in cluster.members),
-            ),
-        ),
+        clusters=(planned_cluster(cluster),),
+        # Busy or not, every kind it can take counts as a seat: a reservation waits for it.
         workers=tuple(
-            planner.Worker(
-                id=w.pk,
-                name=w.name,
-                zone=w.zone,
-                # Busy or not, every kind it can take: a reservation waits for the slot.
-                idle_kinds=frozenset(
-                    k for k, can in (("eval", w.can_eval), ("build", w.can_build)) if can
-                ),
-                architectures=frozenset(w.architectures),
-                features=frozenset(w.system_features),
-                projects=None if w.all_projects else frozenset(p.pk for p in w.projects.all()),
-                can_eval=w.can_eval,
-                can_build=w.can_build,
+            planned_worker(
+                w,
+                (k for k, can in (("eval", w.can_eval), ("build", w.can_build)) if can),
+                frozenset(p.pk for p in w.projects.all()),
             )
             for w in workers
         ),
@@ -132,19 +118,6 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
     )
     placements = planner.plan(snapshot)
     return placements[0] if placements else None
-
-
-def member_of(m) -> planner.Member:
-    return planner.Member(
-        key=m.key,
-        kind=m.kind,
-        role=m.role,
-        index=m.index,
-        pin=m.pin,
-        architecture=m.architecture,
-        features=frozenset(m.features),
-        project_id=m.project_id,
-    )
 
 
 def reserve(placement: planner.Placement, now) -> ClusterReservation | None:
@@ -196,23 +169,10 @@ def committable(reservation: ClusterReservation, book: dict[int, StartableCluste
         cluster_id=cluster.id,
         zone=None,
         seats=tuple(
-            planner.Seat(member_of(by_key[s.job_id]), _worker(s.worker), None) for s in seats
+            planner.Seat(by_key[s.job_id].planned(), planned_worker(s.worker, (), None), None)
+            for s in seats
         ),
         cost=0,
-    )
-
-
-def _worker(w: Worker) -> planner.Worker:
-    return planner.Worker(
-        id=w.pk,
-        name=w.name,
-        zone=w.zone,
-        idle_kinds=frozenset(),
-        architectures=frozenset(w.architectures),
-        features=frozenset(w.system_features),
-        projects=None,
-        can_eval=w.can_eval,
-        can_build=w.can_build,
     )
 
 

@@ -7,12 +7,15 @@ Running cluster wait for it. The single path asks here, in SQL, so it never sees
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from clusters import planner
 from clusters.models import CLUSTER_ACTIVE
+from gradient.jobs.models import JobKind
 
 _ACTIVE = ", ".join(f"'{s.value}'" for s in sorted(CLUSTER_ACTIVE))
 
@@ -44,6 +47,18 @@ class MemberRow:
     project: str
     substitute: bool  # a build's cache_available as seen now: its claim gate
 
+    def planned(self) -> planner.Member:
+        return planner.Member(
+            key=self.key,
+            kind=self.kind,
+            role=self.role,
+            index=self.index,
+            pin=self.pin,
+            architecture=self.architecture,
+            features=frozenset(self.features),
+            project_id=self.project_id,
+        )
+
 
 @dataclass(frozen=True)
 class StartableCluster:
@@ -53,6 +68,29 @@ class StartableCluster:
     created_at: datetime
     members: tuple[MemberRow, ...]
     waiting_since: datetime | None = None
+
+
+def planned_cluster(cluster: StartableCluster) -> planner.Cluster:
+    return planner.Cluster(
+        id=cluster.id,
+        same_zone=cluster.same_zone,
+        members=tuple(m.planned() for m in cluster.members),
+    )
+
+
+def planned_worker(w, idle_kinds, projects: frozenset[int] | None) -> planner.Worker:
+    """A Worker row as the planner sees it; `projects` None when it may access every one."""
+    return planner.Worker(
+        id=w.pk,
+        name=w.name,
+        zone=w.zone,
+        idle_kinds=frozenset(idle_kinds),
+        architectures=frozenset(w.architectures),
+        features=frozenset(w.system_features),
+        projects=None if w.all_projects else projects,
+        can_eval=w.can_eval,
+        can_build=w.can_build,
+    )
 
 
 def role_indexes(members) -> dict[str, tuple[str, int]]:
@@ -96,22 +134,57 @@ LIMIT %(limit)s
 """
 
 
+# The members of the clusters that can start, with what their seats and AssignJobs need, in
+# the order the ORM would give them (ClusterMember.Meta.ordering).
+MEMBERS_SQL = """
+SELECT m.cluster_job_id, m.id, m.role, m.pin, m.evaluation_id, m.derivation_build_id,
+       coalesce(e.architecture, b.architecture), coalesce(e.required_features, b.required_features),
+       p.id, p.name, coalesce(b.cache_available, false)
+FROM cluster_member m
+LEFT JOIN evaluation e ON e.id = m.evaluation_id
+LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+JOIN project p ON p.id = coalesce(e.project_id, b.project_id)
+WHERE m.cluster_job_id = ANY(%s)
+ORDER BY m.cluster_job_id, m.role, m.id
+"""
+
+
+class _Member(NamedTuple):
+    """One row of MEMBERS_SQL, named: what role_indexes reads (role, id, job_key) and more."""
+
+    cluster_job_id: int
+    id: int
+    role: str
+    pin: str | None
+    evaluation_id: uuid.UUID | None
+    derivation_build_id: uuid.UUID | None
+    architecture: str
+    required_features: list[str]
+    project_id: int
+    project: str
+    cache_available: bool
+
+    @property
+    def job_key(self) -> str:
+        if self.evaluation_id:
+            return f"eval:{self.evaluation_id}"
+        return f"build:{self.derivation_build_id}"
+
+
 def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     """The cluster book: every cluster that can start, prioritized first, then the oldest,
-    with its members, in two queries."""
-    from clusters.models import ClusterMember
-
+    with its members, in two queries (plain rows, no model instances: a pass may read
+    thousands)."""
     now = now or timezone.now()
     backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
     with connection.cursor() as cursor:
         cursor.execute(STARTABLE_SQL, {"backoff": backoff, "limit": limit})
         heads = cursor.fetchall()
-    if not heads:
-        return []
-    members = ClusterMember.objects.filter(cluster_job_id__in=[h[0] for h in heads]).select_related(
-        "evaluation__project", "derivation_build__project"
-    )
-    by_cluster: dict[int, list] = {}
+        if not heads:
+            return []
+        cursor.execute(MEMBERS_SQL, [[h[0] for h in heads]])
+        members = [_Member._make(row) for row in cursor.fetchall()]
+    by_cluster: dict[int, list[_Member]] = {}
     for m in members:
         by_cluster.setdefault(m.cluster_job_id, []).append(m)
     out = []
@@ -131,19 +204,19 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     return out
 
 
-def _member_row(m, seat: tuple[str, int]) -> MemberRow:
-    job = m.evaluation or m.derivation_build
+def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
+    is_eval = m.evaluation_id is not None
     return MemberRow(
         cluster_id=m.cluster_job_id,
         key=m.job_key,
-        kind=m.kind,
-        job=job.pk,
+        kind=JobKind.EVAL if is_eval else JobKind.BUILD,
+        job=m.evaluation_id if is_eval else m.derivation_build_id,
         role=seat[0],
         index=seat[1],
         pin=m.pin,
-        architecture=job.architecture,
-        features=tuple(job.required_features),
-        project_id=job.project_id,
-        project=job.project.name,
-        substitute=bool(getattr(job, "cache_available", False)),
+        architecture=m.architecture,
+        features=tuple(m.required_features),
+        project_id=m.project_id,
+        project=m.project,
+        substitute=bool(m.cache_available),
     )
