@@ -1,29 +1,332 @@
-"""Cluster jobs and their attempts, read-only: `submit_cluster` creates them, passes move them."""
+"""Cluster jobs and their attempts, read-only: `submit_cluster` creates them, passes move them.
+
+The cluster page shows what happened at a glance: the members, every attempt as a bar on one
+time axis with the seats it took, and while the cluster waits, why (clusters.explain)."""
+
+from datetime import datetime, timedelta
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.postgres.expressions import ArraySubquery
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count
+from django.db.models import Count, Exists, OuterRef, Subquery, Value
+from django.db.models.functions import Coalesce
 from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html
 
 from clusters.abort import MAX_REASON_CHARS, AbortRefused, abort_cluster
-from clusters.models import CLUSTER_TERMINAL, ClusterAttempt, ClusterJob, ClusterMember
+from clusters.explain import explain
+from clusters.models import (
+    CLUSTER_TERMINAL,
+    AttemptOutcome,
+    ClusterAttempt,
+    ClusterJob,
+    ClusterStatus,
+)
+from clusters.tracking import role_indexes
 from gradient.jobs.admin import ViewOnlyMixin
-from gradient.jobs.models import DispatchedJob
+from gradient.jobs.models import DispatchedJob, DispatchedOutcome
+from workers.models import Worker
+
+OPEN = "open"  # an attempt (or seat) not finished yet
+# One colour per attempt outcome; used as SVG fill attributes, so no inline style is needed.
+OUTCOME_COLOURS = {
+    AttemptOutcome.SUCCEEDED: "#2e9d4f",
+    AttemptOutcome.FAILED: "#d0413c",
+    AttemptOutcome.PREPARE_FAILED: "#f0a01e",
+    AttemptOutcome.ABORTED: "#8b8f94",
+    OPEN: "#2f7ed8",
+}
+SEAT_COLOURS = {
+    DispatchedOutcome.COMPLETED: OUTCOME_COLOURS[AttemptOutcome.SUCCEEDED],
+    DispatchedOutcome.FAILED: OUTCOME_COLOURS[AttemptOutcome.FAILED],
+    DispatchedOutcome.ABANDONED: OUTCOME_COLOURS[AttemptOutcome.ABORTED],
+}
+# The newest attempts drawn on the page; the attempt list has every one.
+MAX_BARS = 50
+# A bar is drawn at least this wide (percent of the axis), so an instant attempt stays visible.
+MIN_BAR_WIDTH = 0.4
+TICKS = 4  # intervals of the axis: labels at 0, 25, 50, 75 and 100 %
+# Workers named per reason in "why it waits"; the rest are counted.
+NAMES_PER_REASON = 8
 
 
-class MemberInline(ViewOnlyMixin, admin.TabularInline):
-    model = ClusterMember
-    fields = ["role", "job_key", "primary", "pin"]
-    readonly_fields = ["job_key"]
+# The timeline: pure, from attempts (anything with the four fields) and the time it is now.
 
 
-class AttemptInline(ViewOnlyMixin, admin.TabularInline):
-    model = ClusterAttempt
-    fields = ["id", "created_at", "started_at", "finished_at", "outcome"]
-    readonly_fields = ["id"]
-    show_change_link = True
+def timeline(attempts, now: datetime) -> dict | None:
+    """Bars on one shared axis, from the first attempt's creation to the last finish (or now,
+    while an attempt is open). Positions are percentages of the axis; None without attempts."""
+    attempts = list(attempts)
+    if not attempts:
+        return None
+    start = min(a.created_at for a in attempts)
+    end = max(max(a.finished_at or now, a.created_at) for a in attempts)
+    span = (end - start).total_seconds() or 1.0  # one instant: any width will do
+
+    def at(moment: datetime) -> float:
+        return round(min(max((moment - start).total_seconds() / span, 0.0), 1.0) * 100, 3)
+
+    bars = []
+    for a in attempts:
+        state = a.outcome or OPEN
+        left, right = at(a.created_at), at(a.finished_at or now)
+        width = round(max(right - left, 0.0), 3)
+        # Preparing from creation to the start; running from the start to the finish.
+        started = None if a.started_at is None else min(max(at(a.started_at), left), left + width)
+        draw_width = max(width, MIN_BAR_WIDTH)
+        bars.append(
+            {
+                "attempt": a,
+                "state": state,
+                "label": outcome_label(state),
+                "colour": OUTCOME_COLOURS.get(state, OUTCOME_COLOURS[OPEN]),
+                "open": a.finished_at is None,
+                "left": left,
+                "width": width,
+                "started": started,  # where the running part begins, None if it never started
+                "run_width": None if started is None else round(left + width - started, 3),
+                "draw_left": min(left, round(100 - draw_width, 3)),
+                "draw_width": draw_width,
+                "prepare_for": None if a.started_at is None else a.started_at - a.created_at,
+                "ran_for": None if a.started_at is None else (a.finished_at or now) - a.started_at,
+                "lasted": (a.finished_at or now) - a.created_at,
+            }
+        )
+    fmt = _tick_format(end - start)
+    ticks = []
+    for i in range(TICKS + 1):
+        moment = timezone.localtime(start + (end - start) * i / TICKS)
+        anchor = "start" if i == 0 else "end" if i == TICKS else "middle"
+        ticks.append(
+            {"at": round(100 * i / TICKS, 3), "label": moment.strftime(fmt), "anchor": anchor}
+        )
+    return {
+        "start": start,
+        "end": end,
+        "to_now": any(b["open"] for b in bars),
+        "ticks": ticks,
+        "bars": bars,
+    }
+
+
+def outcome_label(state: str) -> str:
+    """As the admin shows the outcome field ("Prepare Failed"); "open" while unfinished."""
+    return AttemptOutcome(state).label if state in AttemptOutcome.values else state
+
+
+def _tick_format(span: timedelta) -> str:
+    if span >= timedelta(days=2):
+        return "%b %d %H:%M"
+    if span >= timedelta(minutes=10):
+        return "%H:%M"
+    return "%H:%M:%S"
+
+
+def duration(delta: timedelta | None) -> str:
+    """3s, 4m 02s, 1h 05m, 2d 3h."""
+    if delta is None:
+        return ""
+    seconds = max(int(delta.total_seconds()), 0)
+    minutes, s = divmod(seconds, 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    if days:
+        return f"{days}d {h}h"
+    if hours:
+        return f"{hours}h {m:02d}m"
+    if minutes:
+        return f"{minutes}m {s:02d}s"
+    return f"{s}s"
+
+
+# The cluster page's context: a handful of queries whatever the cluster's size.
+
+
+def overview(cluster: ClusterJob, now: datetime | None = None) -> dict:
+    now = now or timezone.now()
+    members = list(
+        cluster.members.select_related("evaluation", "derivation_build").order_by("role", "id")
+    )
+    seat_of = role_indexes(members)
+    total = cluster.attempts_made.count()
+    attempts = list(cluster.attempts_made.order_by("-created_at", "-id")[:MAX_BARS])[::-1]
+    line = timeline(attempts, now)
+    if line is not None:
+        _add_seats(line, seat_of)
+        for number, bar in enumerate(line["bars"], start=total - len(attempts) + 1):
+            bar["number"] = number
+            bar["url"] = reverse("admin:clusters_clusterattempt_change", args=[bar["attempt"].pk])
+            bar["times"] = _times(bar)
+    out = {
+        "members": [_member(m, seat_of[m.job_key]) for m in members],
+        "timeline": line,
+        "attempt_count": total,
+        "attempts_url": reverse("admin:clusters_clusterattempt_changelist")
+        + f"?cluster_job={cluster.pk}",
+        "legend": [(label, OUTCOME_COLOURS[key]) for key, label in _legend()],
+        "explanation": None,
+    }
+    if cluster.status == ClusterStatus.QUEUED:
+        out["explanation"] = _explanation(explain(cluster.pk, now=now))
+    return out
+
+
+def _legend():
+    yield from ((o.value, o.label) for o in AttemptOutcome)
+    yield OPEN, OPEN
+
+
+def _member(m, seat: tuple[str, int]) -> dict:
+    job = m.evaluation or m.derivation_build
+    url = None
+    if job is not None:
+        name = "evaluation" if m.evaluation_id else "derivationbuild"
+        url = reverse(f"admin:jobs_{name}_change", args=[job.pk])
+    return {
+        "label": f"{seat[0]}/{seat[1]}",
+        "role": m.role,
+        "index": seat[1],
+        "job_key": m.job_key,
+        "kind": m.kind,
+        "job_url": url,
+        "job_status": getattr(job, "status", None),
+        "primary": m.primary,
+        "pin": m.pin,
+    }
+
+
+def _add_seats(line: dict, seat_of: dict[str, tuple[str, int]]) -> None:
+    """Each bar's seats, in roster order: one query for every attempt drawn."""
+    by_attempt = {bar["attempt"].pk: bar for bar in line["bars"]}
+    for bar in line["bars"]:
+        bar["seats"] = []
+    rows = DispatchedJob.objects.filter(cluster_attempt__in=list(by_attempt)).values(
+        "cluster_attempt_id",
+        "job_id",
+        "worker_id",
+        "worker__name",
+        "worker__zone",
+        "outcome",
+        "accepted_at",
+    )
+    for row in rows:
+        bar = by_attempt[row["cluster_attempt_id"]]
+        role, index = seat_of.get(row["job_id"], (None, None))
+        state = row["outcome"] or _open_seat(bar["attempt"], row["accepted_at"])
+        bar["seats"].append(
+            {
+                "label": row["job_id"] if role is None else f"{role}/{index}",
+                "role": role,
+                "index": index,
+                "job_id": row["job_id"],
+                "worker": row["worker__name"],
+                "worker_url": reverse("admin:workers_worker_change", args=[row["worker_id"]]),
+                "zone": row["worker__zone"],
+                "state": state,
+                "colour": SEAT_COLOURS.get(state, OUTCOME_COLOURS[OPEN]),
+            }
+        )
+    for bar in line["bars"]:
+        # As show_cluster orders them; a row whose member is gone (its job collected) goes last.
+        bar["seats"].sort(key=lambda s: (s["role"] is None, s["role"] or "", s["index"] or 0))
+
+
+def _open_seat(attempt: ClusterAttempt, accepted_at) -> str:
+    if attempt.started_at is not None:
+        return "running"
+    return "accepted" if accepted_at is not None else "held"
+
+
+def _times(bar: dict) -> str:
+    a = bar["attempt"]
+    parts = [f"created {timezone.localtime(a.created_at):%H:%M:%S}"]
+    if bar["prepare_for"] is not None:
+        parts.append(f"prepared {duration(bar['prepare_for'])}")
+        parts.append(("running " if bar["open"] else "ran ") + duration(bar["ran_for"]))
+    else:
+        parts.append(("preparing " if bar["open"] else "prepare ") + duration(bar["lasted"]))
+    return " · ".join(parts)
+
+
+def _explanation(out: dict) -> dict:
+    """explain()'s answer, with each member's other workers grouped by reason."""
+    members = []
+    for m in out.get("members", []):
+        by_reason: dict[str, list[str]] = {}
+        for other in m["others"]:
+            by_reason.setdefault(other["reason"], []).append(other["worker"])
+        groups = [
+            {
+                "reason": reason,
+                "workers": names[:NAMES_PER_REASON],
+                "more": max(len(names) - NAMES_PER_REASON, 0),
+                "count": len(names),
+            }
+            for reason, names in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        ]
+        members.append({**m, "groups": groups})
+    return {**out, "members": members}
+
+
+# The list: filters and columns, each from an annotation (no query per row).
+
+
+class SeatZoneFilter(admin.SimpleListFilter):
+    """Clusters that seated a member in the zone (the worker's zone as last reported)."""
+
+    title = "seat zone"
+    parameter_name = "zone"
+    NO_ZONE = "-"
+
+    def lookups(self, request, model_admin):
+        zones = Worker.objects.exclude(zone=None).order_by("zone").values_list("zone", flat=True)
+        return [*((z, z) for z in zones.distinct()), (self.NO_ZONE, "no zone")]
+
+    def queryset(self, request, queryset):
+        if self.value() is None:
+            return queryset
+        rows = DispatchedJob.objects.filter(cluster_attempt__cluster_job=OuterRef("pk"))
+        if self.value() == self.NO_ZONE:
+            rows = rows.filter(worker__zone=None)
+        else:
+            rows = rows.filter(worker__zone=self.value())
+        return queryset.filter(Exists(rows))
+
+
+class AgeFilter(admin.SimpleListFilter):
+    """By creation: within the last hour, day or week, or older than a week."""
+
+    title = "age"
+    parameter_name = "age"
+    WITHIN = {"hour": timedelta(hours=1), "day": timedelta(days=1), "week": timedelta(weeks=1)}
+
+    def lookups(self, request, model_admin):
+        return [
+            ("hour", "Last hour"),
+            ("day", "Last 24 hours"),
+            ("week", "Last 7 days"),
+            ("older", "Older than 7 days"),
+        ]
+
+    def queryset(self, request, queryset):
+        now = timezone.now()
+        if self.value() in self.WITHIN:
+            return queryset.filter(created_at__gte=now - self.WITHIN[self.value()])
+        if self.value() == "older":
+            return queryset.filter(created_at__lt=now - self.WITHIN["week"])
+        return queryset
+
+
+def swatch(colour: str):
+    return format_html(
+        '<svg class="swatch" width="10" height="10" aria-hidden="true">'
+        '<circle cx="5" cy="5" r="5" fill="{}"/></svg>',
+        colour,
+    )
 
 
 class AbortForm(forms.Form):
@@ -41,27 +344,32 @@ class ClusterJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
         "id",
         "project",
         "status",
+        "last_attempt",
+        "seat_zones",
         "same_zone",
         "attempts",
         "retry_budget",
         "member_count",
         "created_at",
     ]
-    list_filter = ["status", "same_zone"]
+    list_filter = ["status", SeatZoneFilter, "same_zone", AgeFilter]
     list_select_related = ["project"]
     search_fields = ["id__exact", "members__role"]
     ordering = ["-id"]
-    fields = readonly_fields = [
-        "id",
-        "project",
-        "status",
-        "same_zone",
-        "attempts",
-        "retry_budget",
-        "created_at",
-        "updated_at",
+    # Three lines of fields, so the members and the attempts below show without scrolling.
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    ("id", "project", "status"),
+                    ("same_zone", "attempts", "retry_budget"),
+                    ("created_at", "updated_at"),
+                ]
+            },
+        )
     ]
-    inlines = [MemberInline, AttemptInline]
+    readonly_fields = [f for line in fieldsets[0][1]["fields"] for f in line]
     actions = ["abort_selected"]
 
     def has_abort_permission(self, request):
@@ -105,12 +413,44 @@ class ClusterJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
         return None  # back to the list
 
     def get_queryset(self, request):
-        # distinct: a search by role joins members a second time and would multiply the count.
-        return super().get_queryset(request).annotate(num_members=Count("members", distinct=True))
+        attempts = ClusterAttempt.objects.filter(cluster_job=OuterRef("pk"))
+        seats = DispatchedJob.objects.filter(cluster_attempt__cluster_job=OuterRef("pk"))
+        return (
+            super()
+            .get_queryset(request)
+            # distinct: a search by role joins members a second time and would multiply it.
+            .annotate(num_members=Count("members", distinct=True))
+            .annotate(
+                last_state=Subquery(
+                    attempts.order_by("-created_at", "-id")
+                    .annotate(state=Coalesce("outcome", Value(OPEN)))
+                    .values("state")[:1]
+                ),
+                zones_used=ArraySubquery(
+                    seats.order_by("worker__zone").values("worker__zone").distinct()
+                ),
+            )
+        )
 
     @admin.display(description="members", ordering="num_members")
     def member_count(self, cluster):
         return cluster.num_members
+
+    @admin.display(description="last attempt")
+    def last_attempt(self, cluster):
+        if cluster.last_state is None:
+            return "-"
+        state = cluster.last_state
+        return format_html("{} {}", swatch(OUTCOME_COLOURS[state]), outcome_label(state))
+
+    @admin.display(description="seat zones")
+    def seat_zones(self, cluster):
+        return ", ".join("no zone" if z is None else z for z in cluster.zones_used) or "-"
+
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        if obj is not None:
+            context["overview"] = overview(obj)
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
 
 class DispatchedInline(ViewOnlyMixin, admin.TabularInline):

@@ -284,7 +284,9 @@ def _shortfall(seats, labels, names) -> dict:
 def _summary(out: dict) -> str:
     unseated = [m for m in out["members"] if not m["candidates"]]
     if unseated:
-        if not out["members"][0]["others"]:
+        # Every member sees every connected worker, as a candidate or with a reason.
+        first = out["members"][0]
+        if not first["candidates"] and not first["others"]:
             return "Waiting: no worker is connected."
         parts = []
         for m in unseated:

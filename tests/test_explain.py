@@ -371,3 +371,12 @@ def test_the_command_refuses_a_bad_id_in_one_line(arg, error):
     assert error in str(refused.value)
     assert "\n" not in str(refused.value)
     assert out.getvalue() == ""
+
+
+def test_the_summary_names_the_member_without_a_seat_not_the_first_one():
+    cluster = ClusterFactory()
+    EvalMemberFactory(cluster_job=cluster, role="a")
+    BuildMemberFactory(cluster_job=cluster, role="b", pin="nowhere-else")
+    connected("w1")
+    summary = explain(cluster.pk)["summary"]
+    assert summary.startswith("Waiting: no worker can seat b/0 (pin: 1")

@@ -1,16 +1,53 @@
 """Workers: `create_worker` creates them (showing the token once); the hash is never shown."""
 
-from django.contrib import admin
+from datetime import timedelta
 
-from workers.models import Worker
+from django.conf import settings
+from django.contrib import admin
+from django.contrib.postgres.expressions import ArraySubquery
+from django.db.models import F, Func, IntegerField, OuterRef
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+
+from gradient.jobs.models import DispatchedJob
+from workers.models import IdleSlot, Worker
 
 EDITABLE = ["revoked_at", "all_projects", "projects"]
+# Open assignments named in the list; the rest are counted.
+KEYS_SHOWN = 3
+
+
+class ConnectionFilter(admin.SimpleListFilter):
+    title = "connection"
+    parameter_name = "connection"
+
+    def lookups(self, request, model_admin):
+        return [("connected", "Connected"), ("disconnected", "Disconnected")]
+
+    def queryset(self, request, queryset):
+        if self.value() in ("connected", "disconnected"):
+            return queryset.filter(channel_name__isnull=self.value() == "disconnected")
+        return queryset
+
+
+def short_key(job_id: str) -> str:
+    kind, _, uuid = job_id.partition(":")
+    return f"{kind}:{uuid[:8]}" if uuid else job_id
 
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["name", "zone", "connected", "architectures", "last_seen_at", "revoked"]
-    list_filter = ["zone"]
+    list_display = [
+        "name",
+        "zone",
+        "connected",
+        "idle_now",
+        "running_now",
+        "architectures",
+        "last_seen_at",
+        "revoked",
+    ]
+    list_filter = [ConnectionFilter, "zone"]
     search_fields = ["name"]
     exclude = ["token_hash"]
     filter_horizontal = ["projects"]
@@ -39,6 +76,43 @@ class WorkerAdmin(admin.ModelAdmin):
     readonly_fields = [
         f for _, options in fieldsets for f in options["fields"] if f not in EDITABLE
     ]
+
+    def get_queryset(self, request):
+        # What the list shows of each worker, in the list's one query: the kinds of its live
+        # idle slots (the planner ignores older ones) and the job keys it runs now.
+        fresh = timezone.now() - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+        slots = IdleSlot.objects.filter(worker=OuterRef("pk"), recorded_at__gte=fresh)
+        running = DispatchedJob.objects.filter(worker=OuterRef("pk"), finished_at__isnull=True)
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                idle_kinds=ArraySubquery(slots.order_by("kind").values("kind")),
+                running_keys=ArraySubquery(
+                    running.order_by("dispatched_at", "id").values("job_id")
+                ),
+            )
+        )
+
+    @admin.display(description="idle now")
+    def idle_now(self, worker):
+        kinds = ", ".join(worker.idle_kinds) or "-"
+        return f"{kinds} (draining)" if worker.draining else kinds
+
+    @admin.display(
+        description="running now",
+        ordering=Func(F("running_keys"), function="cardinality", output_field=IntegerField()),
+    )
+    def running_now(self, worker):
+        """The open assignments' keys, shortened (the full keys on hover), the first few named."""
+        keys = worker.running_keys
+        if not keys:
+            return "-"
+        named = format_html_join(", ", "{}", ((short_key(k),) for k in keys[:KEYS_SHOWN]))
+        more = f" and {len(keys) - KEYS_SHOWN} more" if len(keys) > KEYS_SHOWN else ""
+        return format_html(
+            '<span class="running-now" title="{}">{}{}</span>', " ".join(keys), named, more
+        )
 
     def has_add_permission(self, request):
         return False
