@@ -4,8 +4,10 @@ across awaits; state lives in PostgreSQL, so any number of daphne processes can 
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -74,6 +76,18 @@ def db(fn):
     return database_sync_to_async(fn, thread_sensitive=False)
 
 
+# The handshake's own threads. daphne drops a WebSocket not accepted within 5 s; in a connection
+# storm (every worker reconnecting after a restart) the sessions already open keep the shared
+# executor busy, and a handshake queued behind them would time out, and its worker retry,
+# adding to the storm. Each thread keeps a database connection, like the shared ones.
+HANDSHAKE_THREADS = 4
+_handshakes = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="handshake")
+
+
+def handshake_db(fn):
+    return database_sync_to_async(fn, thread_sensitive=False, executor=_handshakes)
+
+
 def answer_request(worker_id: int, kind: str):
     """RequestJob: new offers first, then the job; with nothing to give, an idle slot was
     recorded and a cluster may now have its full placement, so the dispatch pass wakes."""
@@ -88,21 +102,27 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     worker_id: int | None = None
 
     async def connect(self):
-        worker = await db(connection.authenticate)(bearer_token(self.scope["headers"]))
+        worker = await handshake_db(connection.authenticate)(bearer_token(self.scope["headers"]))
         if worker is None:
             await self.close()  # before accept: the handshake is refused with 403
             return
         self.worker_id, self.worker_name = worker.pk, worker.name
         self.ready = False
         self.live = True
-        self.touched = 0.0
+        self.touched = 0.0  # set once attached: attach() is as good as a touch
         self.bucket = TokenBucket(
             settings.GRADIENT["WORKER_RATE_PER_SEC"], settings.GRADIENT["WORKER_RATE_BURST"]
         )
         await self.channel_layer.group_add(worker_group(worker.pk), self.channel_name)
-        previous = await db(connection.attach)(worker.pk, self.channel_name)
+        previous = await handshake_db(connection.attach)(worker.pk, self.channel_name)
+        self.touched = time.monotonic()
         if previous and previous != self.channel_name:
-            await self.channel_layer.send(previous, {"type": "session.replaced"})
+            try:
+                await self.channel_layer.send(previous, {"type": "session.replaced"})
+            except ChannelFull:
+                # Best effort, like every send: the old session, if still alive, sees that
+                # it is no longer the live one at its next liveness check and closes.
+                log.warning("could not tell the replaced session of worker %s", worker.name)
         await self.accept()
         log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
@@ -156,9 +176,20 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return True
         self.touched = now
         if await db(connection.touch)(self.worker_id, self.channel_name):
+            await self.rejoin_group()
             return True
         await self.close(code=CLOSE_REVOKED)
         return False
+
+    async def rejoin_group(self):
+        """The worker's group lives in Redis, and the session outlives it: a Redis restart
+        empties every group, and channels-redis drops a member after its group_expiry (a day).
+        Either way the passes could no longer reach a live session. Joining again is
+        idempotent; a failure (Redis still down) is retried at the next touch."""
+        try:
+            await self.channel_layer.group_add(worker_group(self.worker_id), self.channel_name)
+        except Exception:
+            log.warning("worker %s could not rejoin its group", self.worker_name, exc_info=True)
 
     # Frames from the worker
 
@@ -181,7 +212,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await self.reply(assign)
 
     async def on_JobScores(self, scores: JobScores):
-        await db(connection.record_scores)(self.worker_id, scores.scores)
+        # One row per job: a job scored twice in one frame keeps its last score (PostgreSQL
+        # refuses an upsert that touches one row twice).
+        latest = list({score.job_id: score for score in scores.scores}.values())
+        await db(connection.record_scores)(self.worker_id, latest)
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:

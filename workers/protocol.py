@@ -37,6 +37,14 @@ FailureKind = Literal[
     "canceled",
 ]
 NonNegative = Annotated[StrictInt, Field(ge=0)]
+# What the server stores must fit its column (an out-of-range value, or a NUL that PostgreSQL
+# text cannot hold, would crash the session): beyond that it is a mistyped field.
+SlotCount = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # integer
+Size = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]  # bigint
+NO_NUL = r"^[^\x00]*$"
+Label = Annotated[StrictStr, StringConstraints(max_length=64, pattern=NO_NUL)]
+Zone = Annotated[StrictStr, StringConstraints(max_length=200, pattern=NO_NUL)]
+Endpoint = Annotated[StrictStr, StringConstraints(max_length=500, pattern=NO_NUL)]
 UUID_RE = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 # eval:<evaluation uuid> or build:<shared build uuid>
 JobKey = Annotated[StrictStr, StringConstraints(pattern=rf"^(eval|build):{UUID_RE}$")]
@@ -54,15 +62,15 @@ class Message(BaseModel):
 
 
 class WorkerCapabilities(Message):
-    architectures: list[StrictStr]
-    system_features: list[StrictStr]
-    max_concurrent_builds: NonNegative
-    max_concurrent_evals: NonNegative
+    architectures: list[Label]
+    system_features: list[Label]
+    max_concurrent_builds: SlotCount
+    max_concurrent_evals: SlotCount
     eval: StrictBool
     build: StrictBool
     fetch: StrictBool
-    zone: StrictStr | None = None
-    endpoint: StrictStr | None = None
+    zone: Zone | None = None
+    endpoint: Endpoint | None = None
 
 
 class RequestJob(Message):
@@ -71,8 +79,8 @@ class RequestJob(Message):
 
 class Score(Message):
     job_id: JobKey
-    missing_count: NonNegative
-    missing_nar_size: NonNegative
+    missing_count: Size
+    missing_nar_size: Size
 
 
 class JobScores(Message):
