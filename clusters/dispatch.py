@@ -8,13 +8,17 @@ and each claim re-checks what it takes, so a second pass could only lose its cla
 """
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
+import numpy as np
 import redis
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 from django.utils import timezone
 
 from clusters import planner, reservation
@@ -32,7 +36,6 @@ from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import JobKind
 from gradient.logs import ids
 from workers.groups import send_frames
-from workers.models import IdleSlot, JobScore, Worker
 from workers.protocol import AssignJob, ClusterHold, JobSpec
 
 log = logging.getLogger(__name__)
@@ -55,42 +58,74 @@ class PassResult:
     reservation: str | None = None
 
 
+# The connected workers with a live idle slot, with what the planner asks of them.
+IDLE_WORKERS_SQL = """
+SELECT w.id, w.name, w.zone, w.architectures, w.system_features, w.all_projects,
+       w.can_eval, w.can_build, array_agg(s.kind)
+FROM idle_slot s
+JOIN worker w ON w.id = s.worker_id
+WHERE s.recorded_at >= %(fresh)s
+  AND w.channel_name IS NOT NULL AND NOT w.draining AND w.revoked_at IS NULL
+  AND w.id <> ALL(%(reserved)s::bigint[])
+GROUP BY w.id
+ORDER BY w.id
+"""
+
+# Answered scores of the members' jobs, one row per job: its (worker id, size) pairs packed as
+# big-endian int64s, so a million pairs cost a few bytes objects instead of a million tuples.
+# Scores of workers without an idle slot come along: the planner drops workers it does not
+# know (a filter on worker_id here makes PostgreSQL walk the worker index, far slower).
+SCORES_SQL = """
+SELECT job_id, string_agg(int8send(worker_id) || int8send(missing_nar_size), ''::bytea)
+FROM job_score
+WHERE job_id = ANY(%s::text[]) AND missing_nar_size IS NOT NULL
+GROUP BY job_id
+"""
+
+
+class _IdleWorker(NamedTuple):
+    """A row of IDLE_WORKERS_SQL, with the names planned_worker reads."""
+
+    pk: int
+    name: str
+    zone: str | None
+    architectures: list[str]
+    system_features: list[str]
+    all_projects: bool
+    can_eval: bool
+    can_build: bool
+    kinds: list[str]
+
+
 def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snapshot:
-    """What the planner needs, read in a few queries: the connected workers with a live idle
-    slot (but for the `reserved` ones), and their scores for the members' jobs."""
+    """What the planner needs, read in three queries of plain rows: the connected workers
+    with a live idle slot (but for the `reserved` ones), and their scores for the members'
+    jobs."""
     ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
-    idle: dict[int, set[str]] = {}
-    for worker_id, kind in (
-        IdleSlot.objects.filter(
-            recorded_at__gte=now - ttl,
-            worker__channel_name__isnull=False,
-            worker__draining=False,
-            worker__revoked_at__isnull=True,
-        )
-        .exclude(worker_id__in=list(reserved))
-        .values_list("worker_id", "kind")
-    ):
-        idle.setdefault(worker_id, set()).add(kind)
-    access: dict[int, set[int]] = {}
-    for worker_id, project_id in Worker.projects.through.objects.filter(
-        worker_id__in=list(idle)
-    ).values_list("worker_id", "project_id"):
-        access.setdefault(worker_id, set()).add(project_id)
-    workers = tuple(
-        planned_worker(w, idle[w.pk], frozenset(access.get(w.pk, ())))
-        for w in Worker.objects.filter(pk__in=list(idle)).order_by("pk")
-    )
     keys = [m.key for c in clusters for m in c.members]
-    scores: dict[str, dict[int, int]] = {}
-    for worker_id, job_id, size in JobScore.objects.filter(
-        worker_id__in=list(idle), job_id__in=keys, missing_nar_size__isnull=False
-    ).values_list("worker_id", "job_id", "missing_nar_size"):
-        scores.setdefault(job_id, {})[worker_id] = size
+    access: dict[int, set[int]] = {}
+    scores: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved)})
+        idle = [_IdleWorker._make(row) for row in cursor.fetchall()]
+        limited = [w.pk for w in idle if not w.all_projects]
+        if limited:
+            cursor.execute(
+                "SELECT worker_id, project_id FROM worker_projects WHERE worker_id = ANY(%s)",
+                [limited],
+            )
+            for worker_id, project_id in cursor.fetchall():
+                access.setdefault(worker_id, set()).add(project_id)
+        if idle and keys:
+            cursor.execute(SCORES_SQL, [keys])
+            for job_id, packed in cursor.fetchall():
+                pairs = np.frombuffer(packed, dtype=">i8").reshape(-1, 2)
+                scores[job_id] = (pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64))
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c) for c in clusters),
-        workers=workers,
+        workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
         scores={},
-        scores_by_job=scores,
+        score_arrays=scores,
     )
 
 
@@ -167,6 +202,83 @@ def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
     return bool(frames)
 
 
+class _Outbox:
+    """AssignJob frames of the claims made so far, sent together: every send_frames call pays
+    for an event loop of its own, too much once per claim when a pass makes a thousand. The
+    first frame waits at most FLUSH_SECS plus one claim, and a pass sends what is left as it
+    ends."""
+
+    FLUSH_SECS = 0.05
+
+    def __init__(self):
+        self.frames: list = []
+        self.since = 0.0
+
+    def add(self, frames: list) -> None:
+        if not self.frames:
+            self.since = time.monotonic()
+        self.frames += frames
+        if time.monotonic() - self.since >= self.FLUSH_SECS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.frames:
+            frames, self.frames = self.frames, []
+            send_frames(frames)
+
+
+# A pass with many placements claims them on a few threads, each with its own database
+# connection, closed when the pass is done: every claim is a transaction of several round
+# trips, and one by one a thousand of them take seconds. Placements never share a worker or a
+# job, so the claims touch disjoint rows and cannot wait on each other.
+CLAIM_THREADS = 4
+CLAIM_THREADS_FROM = 16  # placements; fewer are claimed one by one
+
+
+def _claim_all(placements: list[planner.Placement], rows: dict, since) -> set[int]:
+    """Claim every placement and send the AssignJobs of those won; the clusters claimed."""
+    claimed: set[int] = set()
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for placement in placements:
+        todo.put(placement)
+    failures: list[BaseException] = []
+
+    def claim_some(own_connection: bool) -> None:
+        outbox = _Outbox()
+        try:
+            while True:
+                try:
+                    placement = todo.get_nowait()
+                except queue.Empty:
+                    return
+                frames = claim_placement(placement, rows, since)
+                if frames:
+                    outbox.add(frames)
+                    claimed.add(placement.cluster_id)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            outbox.flush()
+            if own_connection:
+                connections.close_all()
+
+    # Inside a transaction (a test's) other connections would not see its rows.
+    if len(placements) < CLAIM_THREADS_FROM or connection.in_atomic_block:
+        claim_some(own_connection=False)
+    else:
+        threads = [
+            threading.Thread(target=claim_some, args=(True,), name=f"claim-{i}")
+            for i in range(CLAIM_THREADS)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
+    return claimed
+
+
 def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | None:
     """Release a stale reservation, commit the active one once its seats are idle, or let the
     oldest overdue cluster reserve. What happened, for the pass's result."""
@@ -218,9 +330,8 @@ def run_pass(wait: bool = False) -> PassResult:
         # Other clusters plan over the unreserved idle workers.
         placements = planner.plan(snapshot(ready, now, reservation.reserved_workers()))
         result.placed = len(placements)
-        for placement in placements:
-            if _claim_and_send(placement, rows, since):
-                result.claimed.append(placement.cluster_id)
+        claimed = _claim_all(placements, rows, since)
+        result.claimed = [p.cluster_id for p in placements if p.cluster_id in claimed]
         result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
     finally:
         with connection.cursor() as cursor:

@@ -73,6 +73,10 @@ class Snapshot:
     # instead of `scores`, which spares it regrouping every pair (about half its time at 4M
     # pairs); the job_score query can fill it row by row.
     scores_by_job: Mapping[str, Mapping[int, int]] | None = None
+    # The same again as arrays: job key -> (worker ids, sizes), two int64 arrays of one length,
+    # a worker at most once per key. When set, plan() reads this before anything else: a query
+    # can hand over millions of scores without a Python object per pair.
+    score_arrays: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
 
 
 @dataclass(frozen=True)
@@ -314,28 +318,40 @@ class _Row(NamedTuple):
     largest: int
 
 
+_NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
 class _Scores:
-    """Score rows per job key, read from scores_by_job when given, else regrouped from scores."""
+    """Score rows per job key, read from score_arrays or scores_by_job when given, else
+    regrouped from scores."""
 
     def __init__(self, snapshot: Snapshot, pool: _Pool):
         self._flat = snapshot.scores
         self._by_job = snapshot.scores_by_job
+        self._arrays = snapshot.score_arrays
         self._pool = pool
         self._rows: dict[str, _Row] = {}
-        if self._by_job is None:
+        if self._by_job is None and self._arrays is None:
             keys = {m.key for c in snapshot.clusters for m in c.members}
             self._rows = _regroup(snapshot.scores, keys, pool)
 
     def row(self, key: str) -> _Row:
         row = self._rows.get(key)
         if row is None:
-            by_worker = (self._by_job or {}).get(key, {})
-            ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
-            sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
+            if self._arrays is not None:
+                ids, sizes = self._arrays.get(key, _NO_SCORES)
+            else:
+                by_worker = (self._by_job or {}).get(key, {})
+                ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
+                sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
             row = self._rows[key] = _row(self._pool.column_of(ids), sizes)
         return row
 
     def size(self, key: str, worker: Worker) -> int | None:
+        if self._arrays is not None:
+            ids, sizes = self._arrays.get(key, _NO_SCORES)
+            at = np.flatnonzero(ids == worker.id)
+            return int(sizes[at[0]]) if at.size else None
         if self._by_job is not None:
             return self._by_job.get(key, {}).get(worker.id)
         return self._flat.get((worker.id, key))

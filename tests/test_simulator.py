@@ -493,6 +493,39 @@ async def test_report_made_while_disconnected_is_sent_after_init_ack():
             assert await second.expect(p.RequestJob) == p.RequestJob(kind="build")
 
 
+@pytest.mark.asyncio
+async def test_with_several_urls_each_reconnect_tries_the_next_server():
+    async with FakeServer() as first, FakeServer() as second:
+        urls = [first.url, second.url]
+        worker = SimulatedWorker("w", TOKEN, BUILDER, url=urls)
+        async with running(worker):
+            session = await first.session()
+            await session.handshake()
+            await session.expect(p.RequestJob)
+            session.ws.transport.abort()  # the first server dies: no close frame
+            first.server.close()
+
+            other = await second.session()  # straight to the other one
+            await other.handshake()
+            assert await other.expect(p.RequestJob) == p.RequestJob(kind="build")
+            assert worker.url == second.url and worker.connections == 2
+
+            other.ws.transport.abort()  # round robin: the dead first, then the second again
+            again = await second.session()
+            await again.handshake()
+            await again.expect(p.RequestJob)
+    tried = [(e["event"], e["url"]) for e in worker.events if "url" in e]
+    assert tried == [
+        ("connected", first.url),
+        ("connected", second.url),
+        ("connect_failed", first.url),
+        ("connected", second.url),
+    ]
+    # A fleet spreads its workers over the servers, each starting on its own.
+    fleet = Fleet([(f"sim-{i}", "t", BUILDER) for i in range(3)], url=urls)
+    assert [w.urls for w in fleet.workers] == [urls, urls[::-1], urls]
+
+
 # Fleet and log
 
 
@@ -538,6 +571,7 @@ async def test_fleet_run_ends_when_every_worker_stopped_for_good():
         ["--count", "2", "--no-eval", "--no-build"],
         ["--count", "2", "--zones", "a,,b"],
         ["--count", "2", "--url", "http://127.0.0.1:8000/proto"],
+        ["--count", "2", "--url", "ws://127.0.0.1:8000/proto,http://127.0.0.1:8001/proto"],
         ["--count", "2", "--duration", "0"],
         ["--count", "2", "--max-builds", "-1"],
     ],

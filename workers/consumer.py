@@ -2,14 +2,17 @@
 reply. Transactions live in the services (run in a thread by database_sync_to_async), never
 across awaits; state lives in PostgreSQL, so any number of daphne processes can serve."""
 
+import asyncio
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.db import connection as db_connection
 
 from clusters import coordinator
 from clusters.dispatch import wake_dispatch
@@ -79,13 +82,36 @@ def db(fn):
 # The handshake's own threads. daphne drops a WebSocket not accepted within 5 s; in a connection
 # storm (every worker reconnecting after a restart) the sessions already open keep the shared
 # executor busy, and a handshake queued behind them would time out, and its worker retry,
-# adding to the storm. Each thread keeps a database connection, like the shared ones.
+# adding to the storm. A thread keeps its database connection only while more handshakes
+# wait (a storm); otherwise it closes it, so idle threads hold no connection.
 HANDSHAKE_THREADS = 4
 _handshakes = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="handshake")
 
 
 def handshake_db(fn):
-    return database_sync_to_async(fn, thread_sensitive=False, executor=_handshakes)
+    def call(*args):
+        try:
+            return fn(*args)
+        finally:
+            if _handshakes._work_queue.empty():  # (ThreadPoolExecutor's own queue)
+                db_connection.close()
+
+    return database_sync_to_async(call, thread_sensitive=False, executor=_handshakes)
+
+
+# Session starts under way at once, per event loop. With every worker accepted at once, a
+# thousand group_adds would wait together for the channel layer's Redis connections (200) and
+# fail after its pool timeout; past this many, a start waits here instead, for as long as it
+# takes. Attach runs on the handshake threads anyway.
+SESSION_STARTS = 32
+_starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def session_starts() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    if loop not in _starts:
+        _starts[loop] = asyncio.Semaphore(SESSION_STARTS)
+    return _starts[loop]
 
 
 def answer_request(worker_id: int, kind: str):
@@ -113,8 +139,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.bucket = TokenBucket(
             settings.GRADIENT["WORKER_RATE_PER_SEC"], settings.GRADIENT["WORKER_RATE_BURST"]
         )
-        await self.channel_layer.group_add(worker_group(worker.pk), self.channel_name)
-        previous = await handshake_db(connection.attach)(worker.pk, self.channel_name)
+        # Accepted as soon as the token is known good: the rest of the start can take longer
+        # than daphne waits for a handshake (5 s) when every worker connects at once, and the
+        # worker's frames wait until connect() returns, so none is handled before attach().
+        await self.accept()
+        async with session_starts():
+            await self.channel_layer.group_add(worker_group(worker.pk), self.channel_name)
+            previous = await handshake_db(connection.attach)(worker.pk, self.channel_name)
         self.touched = time.monotonic()
         if previous and previous != self.channel_name:
             try:
@@ -123,7 +154,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 # Best effort, like every send: the old session, if still alive, sees that
                 # it is no longer the live one at its next liveness check and closes.
                 log.warning("could not tell the replaced session of worker %s", worker.name)
-        await self.accept()
         log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
     async def disconnect(self, code):
@@ -194,7 +224,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     # Frames from the worker
 
     async def on_WorkerCapabilities(self, caps: WorkerCapabilities):
-        name = await db(connection.record_capabilities)(self.worker_id, caps)
+        # On the handshake's threads too: InitAck ends a worker's start, and must not queue
+        # behind the offers and RequestJobs of the sessions already started.
+        name = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
         self.ready = True
         await self.reply(InitAck(worker=name))
         await self.offer()

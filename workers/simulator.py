@@ -12,7 +12,7 @@ import json
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -85,6 +85,11 @@ def missing_cost(worker: str, paths: Iterable[str], fraction: float) -> tuple[in
     return len(missing), sum(map(path_nar_size, missing))
 
 
+def rotated(urls: list[str], start: int) -> list[str]:
+    start %= len(urls)
+    return urls[start:] + urls[:start]
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -123,22 +128,34 @@ class Job:
         return {"job_id": self.job_id, "assignment_id": self.assignment_id, "attempt": self.attempt}
 
 
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """One URL, or several: the servers to try in turn."""
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ValueError("at least one server URL is needed")
+    return urls
+
+
 class SimulatedWorker:
     """One worker: a connection loop that reconnects with backoff, and the jobs it holds or runs.
-    Running jobs survive a reconnect (their reports wait in an outbox); held members do not."""
+    Running jobs survive a reconnect (their reports wait in an outbox); held members do not.
+
+    `url` may be a list of servers: the worker connects to the first, and every reconnect (a
+    failed handshake or a dropped session) tries the next one, round robin."""
 
     def __init__(
         self,
         name: str,
         token: str,
         config: WorkerConfig | None = None,
-        url: str = DEFAULT_URL,
+        url: str | Sequence[str] = DEFAULT_URL,
         log: EventLog | None = None,
     ):
         self.name = name
         self.token = token
         self.config = config or WorkerConfig()
-        self.url = url
+        self.urls = server_urls(url)
+        self._url_index = 0
         self.log = log
         kept = self.config.max_events
         self.events: deque[dict] = deque(maxlen=kept)
@@ -160,6 +177,11 @@ class SimulatedWorker:
         self._task: asyncio.Task | None = None
 
     # Public API
+
+    @property
+    def url(self) -> str:
+        """The server the worker is connected to, or will try next."""
+        return self.urls[self._url_index]
 
     @property
     def held(self) -> list[Job]:
@@ -205,6 +227,7 @@ class SimulatedWorker:
                     delay = first
                 if self._stop.is_set():
                     break
+                self._url_index = (self._url_index + 1) % len(self.urls)  # try the next server
                 # Jittered, so a fleet does not come back from a server restart in lockstep.
                 await self._sleep(min(cap, delay * self._rng.uniform(0.5, 1.5)))
                 delay = min(delay * 2, cap)
@@ -264,9 +287,10 @@ class SimulatedWorker:
 
     async def _connect_once(self) -> bool:
         """One connection, until it closes. True if it got as far as an InitAck."""
+        url = self.url
         try:
             async with connect(
-                self.url,
+                url,
                 additional_headers={"Authorization": f"Bearer {self.token}"},
                 open_timeout=self.config.open_timeout,
                 max_size=p.MAX_FRAME_BYTES,
@@ -274,7 +298,7 @@ class SimulatedWorker:
                 proxy=None,
             ) as ws:
                 self._ws = ws
-                self._record("connected")
+                self._record("connected", url=url)
                 sessions = self.connections
                 try:
                     await self._serve(ws)
@@ -284,11 +308,11 @@ class SimulatedWorker:
                 return self.connections > sessions
         except InvalidStatus as exc:
             status = exc.response.status_code
-            self._record("connect_failed", error=f"HTTP {status}")
+            self._record("connect_failed", url=url, error=f"HTTP {status}")
             if status == 403:
                 self._finish("forbidden")
         except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
-            self._record("connect_failed", error=str(exc) or type(exc).__name__)
+            self._record("connect_failed", url=url, error=str(exc) or type(exc).__name__)
         return False
 
     async def _serve(self, ws: ClientConnection) -> None:
@@ -564,19 +588,22 @@ class SimulatedWorker:
 
 
 class Fleet:
-    """Runs many SimulatedWorkers on the current loop, from (name, token, config) triples."""
+    """Runs many SimulatedWorkers on the current loop, from (name, token, config) triples.
+    With several server URLs, worker i starts on URL i (modulo their number) and moves on to
+    the next one whenever it reconnects, so the fleet is spread over the servers."""
 
     def __init__(
         self,
         members: Iterable[tuple[str, str, WorkerConfig]],
-        url: str = DEFAULT_URL,
+        url: str | Sequence[str] = DEFAULT_URL,
         log_path: str | None = None,
         ramp_secs: float = 0.0,  # spread the first connections over this long
     ):
+        urls = server_urls(url)
         self.log = EventLog(log_path) if log_path else None
         self.workers = [
-            SimulatedWorker(name, token, config, url=url, log=self.log)
-            for name, token, config in members
+            SimulatedWorker(name, token, config, url=rotated(urls, i), log=self.log)
+            for i, (name, token, config) in enumerate(members)
         ]
         self.ramp_secs = ramp_secs
         self.started_at = time.monotonic()

@@ -47,7 +47,13 @@ class Command(JsonCommand):
         add("--fail-rate", action=Once, type=float, default=0.0, metavar="P")
         add("--reject-rate", action=Once, type=float, default=0.0, metavar="P")
         add("--seed", action=Once, type=int, metavar="N")
-        add("--url", action=Once, default=DEFAULT_URL)
+        add(
+            "--url",
+            action=Once,
+            default=DEFAULT_URL,
+            metavar="URL1,URL2",
+            help="one server, or several tried in turn on each reconnect",
+        )
         add("--duration", action=Once, type=float, metavar="SECS")
         add("--log", action=Once, metavar="FILE", help="append one JSON line per event")
         add("--projects", action=Once, metavar="P1,P2", help="default: every project")
@@ -64,7 +70,7 @@ class Command(JsonCommand):
         raise_fd_limit(len(names))
         fleet = Fleet(
             [(name, tokens[name], configs[name]) for name in names],
-            url=options["url"],
+            url=split_list(options["url"], ",", "--url"),
             log_path=options["log"],
             ramp_secs=min(len(names) * 0.002, 2.0),  # no thundering herd at the handshake
         )
@@ -143,8 +149,9 @@ def worker_configs(names: list[str], o: dict) -> dict[str, WorkerConfig]:
 
 
 def check_run_options(o: dict) -> None:
-    if not o["url"].startswith(("ws://", "wss://")):
-        raise CommandError(f"--url must be a ws:// or wss:// URL, not {o['url']!r}")
+    for url in split_list(o["url"], ",", "--url"):
+        if not url.startswith(("ws://", "wss://")):
+            raise CommandError(f"--url must be ws:// or wss:// URLs, not {url!r}")
     duration = o["duration"]
     if duration is not None and not (duration > 0 and math.isfinite(duration)):
         raise CommandError(f"--duration must be a positive number of seconds, not {duration}")

@@ -1,0 +1,281 @@
+"""What the benchmark scripts share: the bench database, real processes (daphne, Celery),
+docs/benchmarks.md sections, percentiles.
+
+Import order matters: a script calls `setup(database_url)` before importing anything of the
+project, since Django reads DATABASE_URL once, at set-up.
+"""
+
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def setup(database_url: str, redis_db: int) -> None:
+    """Point Django at the bench database (never at an ambient DATABASE_URL) and at a Redis
+    database of the benchmark's own (metrics, wake-ups), and set it up."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    os.environ["DATABASE_URL"] = database_url
+    redis_base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0]
+    os.environ["REDIS_URL"] = f"{redis_base}/{redis_db}"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
+    import django
+
+    django.setup()
+
+
+def ensure_database() -> None:
+    """Create the bench database when missing and migrate it; a database whose migrations no
+    longer apply (they changed since it was made) is dropped and made afresh. Then empty it."""
+    import psycopg
+    from django.core.management import call_command
+    from django.db import connection
+    from psycopg import sql
+
+    name = connection.settings_dict["NAME"]
+
+    def admin(statement):
+        with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as c:
+            exists = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
+            if statement == "create" and not exists:
+                c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            elif statement == "drop" and exists:
+                c.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    admin("create")
+    try:
+        call_command("migrate", verbosity=0)
+    except Exception as exc:
+        print(f"migrate failed ({exc!r}); recreating {name}", flush=True)
+        connection.close()
+        admin("drop")
+        admin("create")
+        call_command("migrate", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {', '.join(project_tables())} RESTART IDENTITY CASCADE")
+
+
+def project_tables() -> list[str]:
+    """Every table of the project's own apps (models and many-to-many tables)."""
+    from django.apps import apps
+
+    tables = set()
+    for label in ("jobs", "workers", "clusters"):
+        for model in apps.get_app_config(label).get_models(include_auto_created=True):
+            tables.add(model._meta.db_table)
+    return sorted(tables)
+
+
+def process_env(**extra) -> dict:
+    """The environment of a daphne or Celery process: the bench database and Redis database
+    that setup() chose."""
+    return {
+        **os.environ,
+        "DATABASE_URL": os.environ["DATABASE_URL"],
+        "REDIS_URL": os.environ["REDIS_URL"],
+        "DJANGO_SETTINGS_MODULE": "gradient.settings",
+        "PYTHONUNBUFFERED": "1",
+        **{k: str(v) for k, v in extra.items()},
+    }
+
+
+def flush_redis(redis_url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+def wait_for_log(path: Path, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{path.name} never said {text!r}")
+
+
+class Processes:
+    """daphne and Celery as subprocesses of the script (each in its own session, so a kill
+    reaches its children), with their logs in one directory. stop() ends every one."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs = env, logs
+        self.procs: list[tuple[subprocess.Popen, object]] = []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append((proc, log))
+        return proc
+
+    @staticmethod
+    def daphne_args(port: int) -> tuple[str, ...]:
+        return (
+            str(VENV_BIN / "daphne"),
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "gradient.asgi:application",
+        )
+
+    def daphne(self, port: int) -> subprocess.Popen:
+        proc = self.start("daphne", *self.daphne_args(port))
+        wait_for_port(port, proc)
+        return proc
+
+    def celery(self) -> None:
+        """A Celery worker and beat: the passes, on their schedule and on wake-ups."""
+        celery = str(VENV_BIN / "celery")
+        self.start(
+            "celery-worker",
+            celery,
+            "-A",
+            "gradient",
+            "worker",
+            "-c",
+            "2",
+            "-l",
+            "info",
+            "--without-mingle",
+            "--without-gossip",
+            "-n",
+            f"bench-{os.getpid()}@%h",
+        )
+        wait_for_log(self.logs / "celery-worker.log", "ready.")
+        self.start(
+            "celery-beat",
+            celery,
+            "-A",
+            "gradient",
+            "beat",
+            "-l",
+            "info",
+            "-s",
+            str(self.logs / "beat-schedule"),
+        )
+
+    @staticmethod
+    def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, log in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+    def log_text(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def crashes(log: str) -> list[str]:
+    """Lines of a log that show an exception escaping a consumer (daphne) or a task (Celery)."""
+    return [
+        line
+        for line in log.splitlines()
+        if "Exception inside application" in line or "raised unexpected" in line
+    ]
+
+
+def tracebacks(log: str) -> int:
+    """Tracebacks of any kind, crashes or warnings logged with their exception."""
+    return sum(line.startswith("Traceback") for line in log.splitlines())
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """The p-th percentile (0..100), linear between the closest ranks."""
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(p) - 1]
+
+
+def now_line() -> str:
+    return f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+
+
+def load() -> str:
+    """The 1-minute load average: the machine is shared, and figures move with it."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def machine() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        pg = cursor.fetchone()[0]
+    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    return f"{cores} cores, PostgreSQL {pg.split()[0]}"
+
+
+def file_header() -> str:
+    return "# Benchmarks\n\nEach section gives the exact command that produced its figures.\n"
+
+
+def write_section(path: Path, title: str, section: str) -> None:
+    """Replace the section headed `title` (up to the next `## `) or append it; the rest of
+    the file is left as it is."""
+    assert section.startswith(title + "\n")
+    text = path.read_text() if path.exists() else file_header()
+    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

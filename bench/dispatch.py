@@ -1,0 +1,628 @@
+"""The dispatch pass over ready clusters x idle workers, and gang-start latency on the real stack.
+
+    .venv/bin/python bench/dispatch.py [--grid 100x500,1000x5000] [--repeat N] [--trials N]
+                                       [--only pass|gang] [--write docs/benchmarks.md]
+
+Dispatch pass: C ready clusters of 4 members (2 eval + 2 build) over W connected workers with
+live idle slots in 3 zones, written straight into the tables (no sessions: channel_name and
+idle_slot rows are set directly), with the in-memory channel layer so sends cost nothing.
+`run_pass()` is timed as a whole and, through wrappers around what it calls, piece by piece.
+
+Gang-start latency: a daphne and a Celery worker + beat as subprocesses (dispatch interval left
+at 5 s, so the measured path is the wake-up) and reference workers (SimulatedWorker) in this
+process. Each trial queues a cluster of 2 to 4 members while only members - 1 seats are idle,
+then frees the last worker: from its RequestJob to StartCluster at every member.
+
+It uses its own database (--database, default gradient_bench; created and migrated when
+missing, emptied at the start) and Redis database 9.
+"""
+
+import argparse
+import asyncio
+import logging
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+ZONES = ("zone-a", "zone-b", "zone-c")
+SCORED = 0.20  # share of (worker, member job) pairs with a score
+REDIS_DB = 9
+PASS_SECTION = "## Dispatch pass"
+GANG_SECTION = "## Gang-start latency"
+PASS_TARGET_SECS = 1.0
+GANG_TARGET_MS = 100.0
+
+
+# Dispatch pass
+
+
+def populate(clusters: int, workers: int) -> dict:
+    """Projects, workers (idle slots come with each pass), clusters and scores, in bulk."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from clusters.models import ClusterJob, ClusterMember
+    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
+    from workers.models import Worker
+
+    rng = random.Random(42)
+    now = timezone.now()
+    p1, p2 = Project.objects.bulk_create([Project(name="bench-1"), Project(name="bench-2")])
+    made = Worker.objects.bulk_create(
+        Worker(
+            name=f"w-{i}",
+            token_hash=f"{i:064x}",
+            all_projects=i % 10 != 0,  # a tenth may take jobs of project 1 only
+            architectures=["x86_64-linux"] + (["aarch64-linux"] if i % 10 == 5 else []),
+            system_features=["kvm"] if i % 4 == 1 else [],
+            max_concurrent_builds=1,
+            max_concurrent_evals=1,
+            can_eval=i % 20 != 7,  # a twentieth builds only
+            can_build=True,
+            zone=ZONES[i % 3],
+            channel_name=f"bench.channel!{i}",
+            connected_at=now,
+            last_seen_at=now,
+        )
+        for i in range(workers)
+    )
+    Worker.projects.through.objects.bulk_create(
+        Worker.projects.through(worker_id=w.pk, project_id=p1.pk)
+        for i, w in enumerate(made)
+        if i % 10 == 0
+    )
+    # Pins go to distinct workers that could seat them (i = 3 mod 10: any project, evals).
+    pin_every = 10
+    spacing = max(workers // max(clusters // pin_every, 1), 1)
+    jobs = ClusterJob.objects.bulk_create(
+        ClusterJob(project=p1 if i % 2 else p2, same_zone=i % 3 == 0) for i in range(clusters)
+    )
+    evals = Evaluation.objects.bulk_create(
+        Evaluation(project=job.project, prioritized=i % 20 == 0 and n == 0)
+        for i, job in enumerate(jobs)
+        for n in range(2)
+    )
+    builds = DerivationBuild.objects.bulk_create(
+        DerivationBuild(
+            project=job.project,
+            status=BuildStatus.QUEUED,
+            architecture="aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
+            required_features=["kvm"] if i % 10 == 4 and n == 1 else [],
+            cache_available=rng.random() < 0.1,
+        )
+        for i, job in enumerate(jobs)
+        for n in range(2)
+    )
+    members = []
+    for i, job in enumerate(jobs):
+        pin = f"w-{(i // pin_every) * spacing + 3}" if i % pin_every == 0 else None
+        members += [
+            ClusterMember(cluster_job=job, evaluation=evals[2 * i], role="server", pin=pin),
+            ClusterMember(cluster_job=job, evaluation=evals[2 * i + 1], role="server"),
+            ClusterMember(cluster_job=job, derivation_build=builds[2 * i], role="client"),
+            ClusterMember(cluster_job=job, derivation_build=builds[2 * i + 1], role="client"),
+        ]
+    ClusterMember.objects.bulk_create(members, batch_size=5000)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT setseed(0.42)")
+        cursor.execute(
+            """
+            INSERT INTO job_score (worker_id, job_id, offered_at, missing_count,
+                                   missing_nar_size, scored_at)
+            SELECT w.id, k.key, now(), (random() * 500)::int,
+                   (random() * 8 * 1024 * 1024 * 1024)::bigint, now()
+            FROM worker w
+            CROSS JOIN (SELECT CASE WHEN evaluation_id IS NOT NULL
+                                    THEN 'eval:' || evaluation_id::text
+                                    ELSE 'build:' || derivation_build_id::text END AS key
+                        FROM cluster_member) k
+            WHERE random() < %s
+            """,
+            [SCORED],
+        )
+        scores = cursor.rowcount
+        cursor.execute("ANALYZE")
+    return {"scores": scores}
+
+
+def reset_for_pass() -> None:
+    """Undo the last pass: no attempt, every build Queued, every idle slot fresh."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM dispatched_job")
+        cursor.execute("DELETE FROM cluster_attempt")
+        cursor.execute("UPDATE derivation_build SET status = 'Queued' WHERE status <> 'Queued'")
+        cursor.execute("UPDATE cluster_job SET status = 'Queued' WHERE status <> 'Queued'")
+        cursor.execute("DELETE FROM idle_slot")
+        cursor.execute(
+            "INSERT INTO idle_slot (worker_id, kind, recorded_at)"
+            " SELECT w.id, k.kind, now() FROM worker w"
+            " CROSS JOIN (VALUES ('eval'), ('build')) AS k(kind)"
+            " WHERE k.kind = 'build' OR w.can_eval"
+        )
+        cursor.execute("VACUUM ANALYZE dispatched_job, cluster_attempt, idle_slot")
+
+
+class Stopwatch:
+    """Wraps the functions run_pass calls, summing each one's wall time."""
+
+    PIECES = {
+        "expire": "expire_overdue_prepares",
+        "book": "startable_clusters",
+        "snapshot": "snapshot",
+        "claims": "_claim_all",  # every claim_placement and send_frames of the pass
+    }
+
+    def __init__(self):
+        from clusters import dispatch
+
+        self.totals: dict[str, float] = {}
+        self.saved = []
+        for piece, name in self.PIECES.items():
+            self._wrap(dispatch, name, piece)
+        self._wrap(dispatch.planner, "plan", "plan")
+
+    def _wrap(self, module, name, piece):
+        original = getattr(module, name)
+        self.saved.append((module, name, original))
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[piece] = self.totals.get(piece, 0.0) + time.perf_counter() - began
+
+        setattr(module, name, timed)
+
+    def restore(self):
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+
+def time_pass() -> dict:
+    from clusters.dispatch import run_pass
+
+    watch = Stopwatch()
+    try:
+        began = time.perf_counter()
+        result = run_pass()
+        total = time.perf_counter() - began
+    finally:
+        watch.restore()
+    pieces = {piece: watch.totals.get(piece, 0.0) for piece in [*Stopwatch.PIECES, "plan"]}
+    pieces["other"] = total - sum(pieces.values())
+    return {
+        "total": total,
+        **pieces,
+        "ready": result.ready,
+        "placed": result.placed,
+        "claimed": len(result.claimed),
+    }
+
+
+def bench_pass(grid: list[tuple[int, int]], repeat: int) -> list[dict]:
+    from channels.layers import channel_layers
+    from django.conf import settings
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    logging.getLogger("clusters").setLevel(logging.WARNING)  # a line per claim is noise here
+    rows = []
+    for clusters, workers in grid:
+        common.ensure_database()
+        began = time.monotonic()
+        made = populate(clusters, workers)
+        print(
+            f"{clusters}x{workers}: {made['scores']} scores, set up in"
+            f" {time.monotonic() - began:.0f} s",
+            flush=True,
+        )
+        runs = []
+        for i in range(repeat + 1):  # the first pass warms caches and is not counted
+            reset_for_pass()
+            run = time_pass()
+            print(
+                f"  pass {i}: {run['total']:.3f} s, {run['claimed']}/{run['ready']} claimed"
+                + "".join(f", {k} {run[k]:.3f}" for k in ("book", "snapshot", "plan", "claims")),
+                flush=True,
+            )
+            if i:
+                runs.append(run)
+        rows.append(summarize_pass(clusters, workers, made["scores"], runs))
+    return rows
+
+
+def summarize_pass(clusters: int, workers: int, scores: int, runs: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {
+        "clusters": clusters,
+        "workers": workers,
+        "scores": scores,
+        "runs": len(runs),
+        "median": med,
+        "max": max(r["total"] for r in runs),
+    }
+
+
+PASS_HEADER = [
+    "ready clusters x workers",
+    "scores",
+    "runs",
+    "placed",
+    "pass median s",
+    "pass max s",
+    "startable_clusters",
+    "snapshot",
+    "plan",
+    "claims + sends",
+    "other",
+    "target",
+]
+
+
+def pass_row(r: dict) -> list:
+    m = r["median"]
+    target = "< 1 s" if r["clusters"] >= 1000 and r["workers"] >= 5000 else ""
+    if target:
+        target += " ✓" if m["total"] < PASS_TARGET_SECS else " ✗"
+    return [
+        f"{r['clusters']:,} x {r['workers']:,}",
+        f"{r['scores']:,}",
+        r["runs"],
+        f"{int(m['claimed']):,}",
+        f"{m['total']:.3f}",
+        f"{r['max']:.3f}",
+        *(f"{m[k]:.3f}" for k in ("book", "snapshot", "plan", "claims")),
+        f"{m['other'] + m['expire']:.3f}",
+        target,
+    ]
+
+
+def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
+    return (
+        f"{PASS_SECTION}\n\n"
+        "Wall time of one `run_pass()` (`clusters.dispatch`) over C ready clusters of 4 members"
+        " (2 eval + 2 build) and W connected workers, each with live idle slots of both kinds"
+        " (build only for the twentieth that cannot evaluate), in 3 zones. A third of the"
+        " clusters are same_zone, a tenth pin a member, a tenth of the workers may take one"
+        " project only, some members need `kvm` or `aarch64-linux`; 20% of the (worker, member"
+        " job) pairs have a score in `job_score` (about 4 million rows at 1,000 x 5,000). Rows"
+        " are written straight into the tables (no sessions), and the channel layer is the"
+        " in-memory one, so sends cost next to nothing. The columns after the pass are its"
+        " pieces in seconds, timed by wrappers around what `run_pass` calls:"
+        " `startable_clusters` (the book), `snapshot` (idle workers and scores), `planner.plan`,"
+        " and the claims with their sends (`_claim_all`: every `claim_placement`, on 4 threads"
+        " from 16 placements, and the batched `send_frames`); other is the advisory lock,"
+        " `expire_overdue_prepares`, the reservation pass and the rest. Medians over"
+        f" {repeat} passes after a warm-up pass, each pass starting from the same state (every"
+        " claim undone, every idle slot fresh). Where the time goes: the snapshot is"
+        " PostgreSQL grouping every score of the members' jobs (all of them: the planner may"
+        " need any), and the claims are one `claim_cluster` transaction per placement, several"
+        " round trips each, CPU-bound on this machine past two threads. Target: under 1 s at"
+        " 1,000 x 4 over 5,000 workers.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        f" (load average {load})\n\n"
+        + common.table(PASS_HEADER, [pass_row(r) for r in rows])
+        + "\n"
+    )
+
+
+# Gang-start latency
+
+
+class LastWorker:
+    """Mixin for the SimulatedWorker that completes each placement: its RequestJobs wait
+    behind a gate, so the server sees it busy (no idle slot) until the trial frees it."""
+
+    def gate_init(self):
+        self.gated = True
+        self.pending: list[str] = []
+
+    async def _request(self, kind: str) -> None:
+        if self.gated:
+            if kind not in self.pending:
+                self.pending.append(kind)
+            return
+        await super()._request(kind)
+
+    async def free(self) -> float:
+        """Send the held-back RequestJob(s) now; returns when the first left."""
+        self.gated = False
+        kinds = self.pending or ["build"]
+        self.pending = []
+        freed = time.time()
+        for kind in kinds:
+            await super()._request(kind)
+        self.gated = True  # from here on, its next requests wait for the next trial
+        return freed
+
+
+async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
+    from asgiref.sync import sync_to_async
+    from django.db import connection
+
+    from clusters.models import ClusterJob, ClusterStatus
+    from clusters.submission import MemberSpec, submit_cluster
+    from gradient.jobs.models import Project
+    from gradient.jobs.submission import JobSpec
+    from workers.models import IdleSlot, Worker, hash_token
+    from workers.simulator import EventLog, SimulatedWorker, WorkerConfig
+
+    class GatedWorker(LastWorker, SimulatedWorker):
+        pass
+
+    def q(fn):
+        def run():
+            try:
+                return fn()
+            finally:
+                connection.close()
+
+        return sync_to_async(run)()
+
+    # One group of k workers per cluster size k, each with a project of its own so a cluster
+    # of one size can never sit on another group's workers: k - 1 take both kinds, the last
+    # takes builds only and starts gated.
+    quick = WorkerConfig(heartbeat_secs=2.0, job_secs=(0.05, 0.1), backoff=(0.05, 0.5))
+    last = WorkerConfig(
+        eval=False, max_evals=0, heartbeat_secs=2.0, job_secs=(0.05, 0.1), backoff=(0.05, 0.5)
+    )
+    log = EventLog(str(log_dir / "workers.jsonl"))
+    groups: dict[int, list] = {}
+
+    def make_group(k):
+        project = Project.objects.create(name=f"gang-{k}")
+        for i in range(k):
+            worker = Worker.objects.create(
+                name=f"gang-{k}-{i}", token_hash=hash_token(f"t-gang-{k}-{i}"), all_projects=False
+            )
+            worker.projects.add(project)
+
+    for k in (2, 3, 4):
+        await q(lambda k=k: make_group(k))
+        groups[k] = [
+            SimulatedWorker(f"gang-{k}-{i}", f"t-gang-{k}-{i}", quick, url, log)
+            for i in range(k - 1)
+        ]
+        gated = GatedWorker(f"gang-{k}-{k - 1}", f"t-gang-{k}-{k - 1}", last, url, log)
+        gated.gate_init()
+        groups[k].append(gated)
+    everyone = [w for ws in groups.values() for w in ws]
+    tasks = [asyncio.create_task(w.run()) for w in everyone]
+
+    def members(k):
+        evals = 1 if k == 2 else 2
+        return [MemberSpec(role="server", job=JobSpec(kind="eval")) for _ in range(evals)] + [
+            MemberSpec(role="client", job=JobSpec(kind="build")) for _ in range(k - evals)
+        ]
+
+    def seats_idle(k) -> bool:
+        """Every ungated worker of the group holds a fresh idle slot of both kinds."""
+        names = [w.name for w in groups[k][:-1]]
+        fresh = timezone_now() - timedelta(seconds=10)
+        return IdleSlot.objects.filter(
+            worker__name__in=names, recorded_at__gte=fresh
+        ).count() == 2 * len(names)
+
+    def timezone_now():
+        from django.utils import timezone
+
+        return timezone.now()
+
+    async def until(check, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not await check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trial stuck: {check.__name__}")
+            await asyncio.sleep(0.02)
+
+    results = []
+    try:
+
+        async def all_connected():
+            return all(w.connected for w in everyone)
+
+        await until(all_connected)
+        for trial in range(trials):
+            k = (2, 3, 4)[trial % 3]
+            group = groups[k]
+            gated = group[-1]
+            cluster, _ = await q(lambda k=k: submit_cluster(f"gang-{k}", members(k)))
+
+            async def ready(k=k):
+                return all(not w.jobs for w in groups[k]) and await q(lambda: seats_idle(k))
+
+            await until(ready)
+            await asyncio.sleep(0.2 + random.random() * 0.1)  # nothing in flight
+            marks = {id(w): len(w.events) for w in group}
+            freed = await gated.free()
+
+            def started(w, marks=marks):
+                return [e for e in list(w.events)[marks[id(w)] :] if e["event"] == "started"]
+
+            async def all_started(group=group, started=started):
+                return all(started(w) for w in group)
+
+            await until(all_started, timeout=20.0)
+
+            def first(w, event, marks=marks):
+                found = [e for e in list(w.events)[marks[id(w)] :] if e["event"] == event]
+                return datetime.fromisoformat(found[0]["time"]).timestamp()
+
+            assigned = max(first(w, "assigned") for w in group) - freed
+            start = max(first(w, "started") for w in group) - freed
+            results.append({"k": k, "assigned_ms": assigned * 1000, "started_ms": start * 1000})
+            print(
+                f"  trial {trial}: {k} members, AssignJob at all {assigned * 1000:.1f} ms,"
+                f" StartCluster at all {start * 1000:.1f} ms",
+                flush=True,
+            )
+
+            def done(cluster_id=cluster.pk):
+                return ClusterJob.objects.get(pk=cluster_id).status == ClusterStatus.COMPLETED
+
+            async def finished(done=done):
+                return await q(done)
+
+            await until(finished)
+    finally:
+        for w in everyone:
+            await w.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        log.close()
+    return results
+
+
+def bench_gang(trials: int) -> dict:
+    common.ensure_database()
+    env = common.process_env(GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS=5)
+    common.flush_redis(env["REDIS_URL"])
+    logs = Path(tempfile.mkdtemp(prefix="bench-gang-"))
+    procs = common.Processes(env, logs)
+    try:
+        port = common.free_port()
+        procs.daphne(port)
+        procs.celery()
+        results = asyncio.run(gang_trials(f"ws://127.0.0.1:{port}/proto", trials, logs))
+        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
+        crashed = common.crashes(procs.log_text("daphne")) + common.crashes(
+            procs.log_text("celery-worker")
+        )
+        passes = claiming_passes(procs.log_text("celery-worker"))
+    finally:
+        procs.stop()
+        common.flush_redis(env["REDIS_URL"])
+    print(f"logs in {logs}; {len(crashed)} traceback line(s)", flush=True)
+    return {"results": results, "crashes": len(crashed), "logs": str(logs), "passes": passes}
+
+
+def claiming_passes(log: str) -> list[float]:
+    """Milliseconds of each dispatch pass that claimed a cluster, from Celery's log."""
+    pattern = r"clusters\.dispatch\[[^]]*\] succeeded in ([0-9.]+)s: \{'claimed': [1-9]"
+    return [float(x) * 1000 for x in re.findall(pattern, log)]
+
+
+GANG_HEADER = [
+    "members",
+    "trials",
+    "AssignJob at every member, median ms",
+    "p95 ms",
+    "StartCluster at every member, median ms",
+    "p95 ms",
+    "target",
+]
+
+
+def gang_rows(results: list[dict]) -> list[list]:
+    rows = []
+    for label, subset in [
+        *((str(k), [r for r in results if r["k"] == k]) for k in (2, 3, 4)),
+        ("all", results),
+    ]:
+        if not subset:
+            continue
+        assigned = [r["assigned_ms"] for r in subset]
+        started = [r["started_ms"] for r in subset]
+        median = statistics.median(started)
+        target = ""
+        if label == "all":
+            met = "✓" if median < GANG_TARGET_MS else "✗"
+            target = f"median < {GANG_TARGET_MS:.0f} ms {met}"
+        rows.append(
+            [
+                label,
+                len(subset),
+                f"{statistics.median(assigned):.1f}",
+                f"{common.percentile(assigned, 95):.1f}",
+                f"{median:.1f}",
+                f"{common.percentile(started, 95):.1f}",
+                target,
+            ]
+        )
+    return rows
+
+
+def gang_section(command: str, gang: dict) -> str:
+    return (
+        f"{GANG_SECTION}\n\n"
+        "From the RequestJob that completes a placement to StartCluster at every member, on the"
+        " real stack: one daphne, one Celery worker (`-c 2`) and beat as subprocesses on the"
+        " bench database and Redis database 9, the dispatch interval left at 5 s (so the path"
+        " measured is the wake-up: RequestJob unanswered, idle slot recorded, dispatch task"
+        " queued, pass, claim, AssignJob, every AssignJobResponse, StartCluster), and reference"
+        " workers (`SimulatedWorker`, real WebSockets) in the script's event loop. Each trial"
+        " submits a cluster of 2, 3 or 4 members (evals and builds) to a group of workers of"
+        " its own project whose last worker holds back its RequestJob, so only members - 1 seats"
+        " are idle; once those idle slots are recorded, the last worker sends its RequestJob"
+        " (the start of the clock). Times are taken in the workers' process on one clock, up to"
+        " the latest member's AssignJob and the latest member's StartCluster."
+        + pass_note(gang["passes"])
+        + " Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
+        + f" `raised unexpected` in Celery's): {gang['crashes']}."
+        f" Target: median under {GANG_TARGET_MS:.0f} ms.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        f" (load average {gang['load']})\n\n"
+        + common.table(GANG_HEADER, gang_rows(gang["results"]))
+        + "\n"
+    )
+
+
+def pass_note(passes: list[float]) -> str:
+    if not passes:
+        return ""
+    return (
+        f" Of that, the woken dispatch pass that claimed (Celery's own timing, {len(passes)}"
+        f" passes) took a median of {statistics.median(passes):.0f} ms, p95"
+        f" {common.percentile(passes, 95):.0f} ms."
+    )
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
+    parser.add_argument("--grid", default="100x500,1000x5000,2000x5000", type=parse_grid)
+    parser.add_argument("--repeat", type=int, default=5, help="timed passes per grid point")
+    parser.add_argument("--trials", type=int, default=60, help="gang-start trials")
+    parser.add_argument("--only", choices=("pass", "gang"))
+    parser.add_argument("--write", type=Path, help="update the sections in this markdown file")
+    args = parser.parse_args()
+    command = shlex.join([".venv/bin/python", "bench/dispatch.py", *sys.argv[1:]])
+    common.setup(args.database, REDIS_DB)
+    print(command, flush=True)
+    if args.only != "gang":
+        before = common.load()
+        rows = bench_pass(args.grid, args.repeat)
+        load = f"{before} at the start, {common.load()} at the end"
+        print(common.table(PASS_HEADER, [pass_row(r) for r in rows]), flush=True)
+        if args.write:
+            section = pass_section(command, rows, args.repeat, load)
+            common.write_section(args.write, PASS_SECTION, section)
+    if args.only != "pass":
+        before = common.load()
+        gang = bench_gang(args.trials)
+        gang["load"] = f"{before} at the start, {common.load()} at the end"
+        print(common.table(GANG_HEADER, gang_rows(gang["results"])), flush=True)
+        if args.write:
+            common.write_section(args.write, GANG_SECTION, gang_section(command, gang))
+
+
+if __name__ == "__main__":
+    main()

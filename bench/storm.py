@@ -1,0 +1,248 @@
+"""A connection storm: 1,000 reference workers connect at once to one daphne, then daphne is
+killed and started again on the same port and they all come back.
+
+    .venv/bin/python bench/storm.py [--workers N] [--restarts N] [--write docs/benchmarks.md]
+
+One process runs every worker (a Fleet of SimulatedWorkers, real WebSockets, ramp 0) against
+one daphne started as a subprocess. Measured: the time until every worker has its InitAck;
+after each restart (SIGKILL, then the same daphne command on the same port), the time until
+every worker has an InitAck on its new connection. daphne's log is checked for consumers that
+crashed ("Exception inside application", tracebacks).
+
+It uses its own database (--database, default gradient_bench; created and migrated when
+missing, emptied at the start) and Redis database 10.
+"""
+
+import argparse
+import asyncio
+import resource
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 10
+SECTION = "## Connection storm"
+BACK_TARGET_SECS = 5.0
+TIMEOUT_SECS = 60.0
+
+
+def raise_open_files(workers: int) -> int:
+    """Each worker holds a socket here and one in daphne (a child: it inherits the limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * workers + 1024
+    if soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft < wanted:
+        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
+    return soft
+
+
+def make_workers(count: int) -> list[tuple[str, str]]:
+    from workers.models import Worker, hash_token
+
+    names = [(f"storm-{i:04d}", f"storm-token-{i}") for i in range(count)]
+    Worker.objects.bulk_create(Worker(name=n, token_hash=hash_token(t)) for n, t in names)
+    return names
+
+
+def acks_since(worker, since: float) -> list[float]:
+    return [
+        datetime.fromisoformat(e["time"]).timestamp()
+        for e in list(worker.events)
+        if e["event"] == "init_ack" and datetime.fromisoformat(e["time"]).timestamp() >= since
+    ]
+
+
+async def until_all(fleet, wanted: dict, began: float, timeout: float) -> tuple[float, int]:
+    """Wait until every worker has had wanted[worker] sessions (InitAcks): the seconds from
+    `began`, or the timeout and how many workers were still short."""
+    while True:
+        short = sum(w.connections < wanted[w.name] for w in fleet.workers)
+        if not short:
+            return time.time() - began, 0
+        if time.time() - began > timeout:
+            return time.time() - began, short
+        await asyncio.sleep(0.005)
+
+
+def spread(fleet, began: float) -> dict:
+    """Each worker's first InitAck since `began`, in seconds: median and p95 (of those that
+    got one)."""
+    firsts = [min(acks) - began for w in fleet.workers if (acks := acks_since(w, began))]
+    if not firsts:
+        return {"median": float("nan"), "p95": float("nan")}
+    return {"median": statistics.median(firsts), "p95": common.percentile(firsts, 95)}
+
+
+async def storm(url: str, names, procs: common.Processes, port: int, restarts: int) -> dict:
+    from workers.simulator import Fleet, WorkerConfig
+
+    config = WorkerConfig()  # the reference worker as it ships: backoff 0.1 s doubling to 2 s
+    fleet = Fleet([(n, t, config) for n, t in names], url=url, ramp_secs=0)
+    began = time.time()
+    running = asyncio.create_task(fleet.run())
+    out = {"restarts": []}
+    try:
+        wanted = {w.name: 1 for w in fleet.workers}
+        out["all"], out["missing"] = await until_all(fleet, wanted, began, TIMEOUT_SECS)
+        out.update(spread(fleet, began))
+        print(f"storm: {len(names) - out['missing']} InitAck after {out['all']:.2f} s", flush=True)
+        await asyncio.sleep(2.0)  # let the sessions' RequestJobs settle
+        for n in range(restarts):
+            daphne = procs.procs[-1][0]
+            procs.kill(daphne)
+            killed = time.time()
+            await asyncio.sleep(0.2)  # every worker sees its connection drop
+            wanted = {w.name: w.connections + 1 for w in fleet.workers}
+            restarted = time.time()
+            proc = procs.start("daphne", *procs.daphne_args(port))
+            await asyncio.to_thread(common.wait_for_port, port, proc)
+            listening = time.time() - restarted
+            back, missing = await until_all(fleet, wanted, restarted, TIMEOUT_SECS)
+            row = {"listening": listening, "all": back, "missing": missing}
+            row["down"] = restarted - killed
+            row.update(spread(fleet, restarted))
+            out["restarts"].append(row)
+            print(
+                f"restart {n + 1}: listening after {listening:.2f} s,"
+                f" {len(names) - missing} back after {back:.2f} s",
+                flush=True,
+            )
+            await asyncio.sleep(2.0)
+        out["connected"] = sum(w.connected for w in fleet.workers)
+        out["stopped"] = [w.stopped_reason for w in fleet.workers if w.stopped_reason]
+    finally:
+        fleet.stop()
+        await running
+    return out
+
+
+def run(count: int, restarts: int) -> dict:
+    common.ensure_database()
+    names = make_workers(count)
+    env = common.process_env()
+    common.flush_redis(env["REDIS_URL"])
+    logs = Path(tempfile.mkdtemp(prefix="bench-storm-"))
+    procs = common.Processes(env, logs)
+    try:
+        port = common.free_port()
+        procs.daphne(port)
+        result = asyncio.run(storm(f"ws://127.0.0.1:{port}/proto", names, procs, port, restarts))
+    finally:
+        procs.stop()
+        common.flush_redis(env["REDIS_URL"])
+    log = procs.log_text("daphne")
+    result["crashes"] = common.crashes(log)
+    result["tracebacks"] = common.tracebacks(log)
+    result["workers"] = count
+    print(
+        f"logs in {logs}; {len(result['crashes'])} crash(es),"
+        f" {result['tracebacks']} traceback(s) in all",
+        flush=True,
+    )
+    for line in result["crashes"][:5]:
+        print("  " + line, flush=True)
+    return result
+
+
+def mark(met: bool) -> str:
+    return "✓" if met else "✗"
+
+
+HEADER = ["event", "workers", "every InitAck after s", "median s", "p95 s", "target"]
+
+
+def rows(r: dict) -> list[list]:
+    n = f"{r['workers']:,}"
+    ok = not r["crashes"]
+    out = [
+        [
+            "storm: all connect at once (ramp 0)",
+            n,
+            every(r),
+            f"{r['median']:.2f}",
+            f"{r['p95']:.2f}",
+            f"every worker gets InitAck, no consumer crash {mark(ok and not r['missing'])}",
+        ]
+    ]
+    for i, x in enumerate(r["restarts"], 1):
+        met = not x["missing"] and x["all"] < BACK_TARGET_SECS
+        out.append(
+            [
+                f"restart {i}: SIGKILL, same command and port (listening after"
+                f" {x['listening']:.2f} s)",
+                n,
+                every(x),
+                f"{x['median']:.2f}",
+                f"{x['p95']:.2f}",
+                f"all back < {BACK_TARGET_SECS:.0f} s {mark(met)}",
+            ]
+        )
+    return out
+
+
+def every(x: dict) -> str:
+    if x["missing"]:
+        return f"{x['missing']:,} still without after {x['all']:.0f}"
+    return f"{x['all']:.2f}"
+
+
+def section(command: str, r: dict) -> str:
+    return (
+        f"{SECTION}\n\n"
+        f"{r['workers']:,} reference workers (`Fleet` of `SimulatedWorker` in one process, real"
+        " WebSockets, `ramp_secs=0`, the shipped `WorkerConfig`: reconnect backoff 0.1 s doubling"
+        " to 2 s, jittered) connect at once to one daphne (a subprocess on the bench database and"
+        " Redis database 10; no Celery, so the dispatch wake-ups just queue). First row: from the"
+        " fleet's start until every worker has its InitAck (each session also sends its"
+        " RequestJobs and answers its JobOffer meanwhile). Then daphne is killed with SIGKILL and"
+        " the same command started again on the same port; each restart row is from that start"
+        " until every worker has an InitAck on a new connection (daphne's own start-up, Django"
+        " imports and all, is included: the time it took to listen is in the event column)."
+        " Median and p95 are over the workers' own first InitAck. Consumers that crashed"
+        f" (`Exception inside application` in daphne's log): {len(r['crashes'])}; tracebacks"
+        f" of any kind there (warnings logged with their exception too): {r['tracebacks']}."
+        " Where the time goes (seen with top and py-spy during such a run): the one daphne"
+        " process holds a full core, PostgreSQL about a fifth of one, the fleet little; each"
+        " session's start is a few dozen ORM queries in daphne's Python (authenticate, attach,"
+        " capabilities, an offer, two RequestJobs with their offers), so a thousand of them take"
+        " tens of seconds on one core, and daphne itself takes seconds to start listening."
+        " Targets: every worker gets its InitAck; all back within 5 s of the restart.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        f" (load average {r['load']})\n\n" + common.table(HEADER, rows(r)) + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    command = shlex.join([".venv/bin/python", "bench/storm.py", *sys.argv[1:]])
+    raise_open_files(args.workers)
+    common.setup(args.database, REDIS_DB)
+    print(command, flush=True)
+    before = common.load()
+    result = run(args.workers, args.restarts)
+    result["load"] = f"{before} at the start, {common.load()} at the end"
+    print(common.table(HEADER, rows(result)), flush=True)
+    if args.write:
+        common.write_section(args.write, SECTION, section(command, result))
+    if result["crashes"] or result["missing"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""A bug the fault suite found, pinned down in one process: after a Redis restart a session that
+stayed connected was no longer in its worker's group (groups live in Redis), so the passes'
+AssignJob and StartCluster never reached it and every prepare seating it timed out, for as long
+as the session lived. A live session now joins its group again at each liveness touch."""
+
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+
+from tests.factories import WorkerFactory
+from tests.sessions.conftest import Session
+from workers import consumer
+from workers.groups import worker_group
+from workers.models import Worker, hash_token
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
+
+
+async def test_a_live_session_gets_back_into_its_group_after_the_layer_lost_it(
+    memory_layer, monkeypatch
+):
+    monkeypatch.setattr(consumer, "TOUCH_EVERY_SECS", 0.0)  # every frame is a liveness touch
+    worker = await sync_to_async(WorkerFactory)(name="w", token_hash=hash_token("t"))
+    session = Session("t")
+    assert (await session.connect())[0]
+    await session.hello()
+    channel = await sync_to_async(
+        lambda: Worker.objects.values_list("channel_name", flat=True).get(pk=worker.pk)
+    )()
+    layer = get_channel_layer()
+    group = worker_group(worker.pk)
+    await layer.group_discard(group, channel)  # what a Redis restart does to every group
+
+    await session.send({"type": "Draining"})  # any frame
+    await session.silent(0.3)  # handled
+    frame = json.dumps({"type": "Error", "code": "probe", "message": "through the group"})
+    await layer.group_send(group, {"type": "worker.send", "frame": frame})
+    assert (await session.recv_type("Error"))["code"] == "probe"
+    await session.close()
