@@ -3,9 +3,6 @@ one transaction for a waiting cluster, refusals that change nothing, the races, 
 command and the admin action."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 from io import StringIO
 from pathlib import Path
@@ -14,7 +11,6 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
 from django.urls import reverse
 
 from clusters import coordinator
@@ -25,6 +21,7 @@ from clusters.recovery import member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import Inbox, idle_workers
+from tests.commands import manage
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.models import IdleSlot
@@ -521,24 +518,6 @@ def test_the_command_refuses_in_one_line_and_changes_nothing():
     assert "invalid int value" in refusal("nope")
 
     assert (snapshot(finished), snapshot(queued)) == before
-
-
-def manage(*args) -> subprocess.CompletedProcess:
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DATABASE_URL": "postgres://{USER}:{PASSWORD}@{HOST}:{PORT}/{NAME}".format(
-            **{k: db[k] or "" for k in ("USER", "PASSWORD", "HOST", "PORT", "NAME")}
-        ),
-    }
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.mark.django_db(transaction=True)

@@ -4,9 +4,6 @@ or a one-line refusal on stderr that leaves every table as it was."""
 import asyncio
 import json
 import logging
-import os
-import subprocess
-import sys
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
@@ -29,6 +26,7 @@ from gradient.jobs.models import (
     EvaluationStatus,
     Project,
 )
+from tests.commands import manage
 from tests.factories import ProjectFactory, WorkerFactory
 from workers.groups import worker_group
 from workers.models import Worker, hash_token
@@ -467,24 +465,6 @@ def test_a_bad_argument_is_refused_in_one_line_and_nothing_is_written(args, erro
 
 
 # As a real process: exit code, stdout and stderr.
-
-
-def manage(*args) -> subprocess.CompletedProcess:
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DATABASE_URL": "postgres://{USER}:{PASSWORD}@{HOST}:{PORT}/{NAME}".format(
-            **{k: db[k] or "" for k in ("USER", "PASSWORD", "HOST", "PORT", "NAME")}
-        ),
-    }
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,30 @@
+"""Operator commands run as real processes against the test database."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def manage(*args) -> subprocess.CompletedProcess:
+    """`python manage.py ARGS` in its own process; the caller's test must commit its rows
+    (transaction=True) for the process to see them."""
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DATABASE_URL": "postgres://{USER}:{PASSWORD}@{HOST}:{PORT}/{NAME}".format(
+            **{k: db[k] or "" for k in ("USER", "PASSWORD", "HOST", "PORT", "NAME")}
+        ),
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
