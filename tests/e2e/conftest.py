@@ -158,8 +158,10 @@ def processes(process_env, transactional_db, tmp_path):
     procs.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def _shared_stack(process_env, tmp_path_factory):
+    """Package-scoped: its beat must not keep running passes over the test database once the
+    tests outside this package, which run passes themselves, begin."""
     procs = Processes(process_env, tmp_path_factory.mktemp("stack"))
     url = procs.daphne()
     procs.celery()
