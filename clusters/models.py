@@ -186,3 +186,23 @@ class ReservationSeat(models.Model):
 
     def __str__(self):
         return f"{self.job_id} on worker {self.worker_id}"
+
+
+class MetricTally(models.Model):
+    """What the retention pass deleted, as /metrics counted it: the counters and histograms
+    over cluster_attempt add this to what the remaining rows say, so deleting old clusters
+    never makes a counter go down (Prometheus would read that as a reset)."""
+
+    metric = models.CharField(max_length=64)
+    # A counter's label value, or a histogram's "label|le" bucket and "label|sum".
+    series = models.CharField(max_length=64)
+    value = models.FloatField(default=0)
+
+    class Meta:
+        db_table = "cluster_metric_tally"
+        constraints = [
+            models.UniqueConstraint(fields=["metric", "series"], name="idx-metric_tally-series"),
+        ]
+
+    def __str__(self):
+        return f"{self.metric}{{{self.series}}} {self.value}"

@@ -4,8 +4,10 @@ It deletes a finished cluster job past GRADIENT_RETENTION_DAYS (0 disables the p
 once a finished one that evaluation garbage collection left without members. It never deletes
 an active cluster job, nor one with an open attempt whatever its status says.
 
-The database does the deleting: the cascades take the members and attempts, and the member
-rows in dispatched_job stay as telemetry with cluster_attempt NULL. Each batch is its own short
+Before deleting a batch, the same transaction adds its attempts to the metrics' tally, so
+/metrics never sees a counter go down. The database does the deleting: the cascades take the
+members and attempts, and the member rows in dispatched_job stay as telemetry with
+cluster_attempt NULL. Each batch is its own short
 transaction, so a backlog never holds long locks. Rows are taken FOR UPDATE SKIP LOCKED, so
 a second pass (or a claim or close holding a cluster's row) is skipped rather than waited on,
 and no row is deleted twice; the advisory lock only saves a second pass the work.
@@ -18,6 +20,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.models import CLUSTER_TERMINAL
+from gradient import metrics
 
 PASS_LOCK = 0x6772_6164_7265  # advisory lock key of the retention pass
 BATCH = 1_000
@@ -62,6 +65,7 @@ def run_retention(batch: int = BATCH) -> int:
             ids = [row[0] for row in cursor.fetchall()]
             if not ids:
                 return deleted
+            metrics.tally_deleted(ids)
             cursor.execute("DELETE FROM cluster_job WHERE id = ANY(%s)", [ids])
             deleted += cursor.rowcount
         if len(ids) < batch:

@@ -21,8 +21,9 @@ effort: a Redis that is down or slow costs a lost sample, never the pass or the 
     gradient_signals_dropped_total                  counter (Redis)
     gradient_metrics_redis_up                       gauge, 0 when the Redis part is missing
 
-The row counts drop when the retention pass deletes old clusters; Prometheus reads a drop as a
-counter reset.
+The retention pass deletes old clusters with their attempts; in the same transaction it adds
+what those attempts counted to a tally (cluster_metric_tally), which the collector adds back, so
+a counter or histogram over the rows never goes down.
 """
 
 import hmac
@@ -149,9 +150,14 @@ def _empty(buckets) -> tuple[list, float]:
     return _cumulative({}, buckets), 0.0
 
 
+# Each query covers the attempts of `{scope}`: all of them at scrape time, or the batch of
+# clusters the retention pass is about to delete.
+EVERY_CLUSTER = "TRUE"
+THESE_CLUSTERS = "cluster_job_id = ANY(%s)"
+
 ATTEMPTS_SQL = """
 SELECT outcome, finished_at IS NULL, started_at IS NOT NULL, count(*)
-FROM cluster_attempt GROUP BY 1, 2, 3
+FROM cluster_attempt WHERE {scope} GROUP BY 1, 2, 3
 """
 
 # A cluster's wait: created -> its first started attempt (a retry's wait is not counted again).
@@ -159,7 +165,7 @@ QUEUED_TO_STARTED_SQL = """
 SELECT '' AS label, greatest(0, extract(epoch FROM first.started_at - c.created_at)) AS s
 FROM (
     SELECT cluster_job_id, min(started_at) AS started_at FROM cluster_attempt
-    WHERE started_at IS NOT NULL GROUP BY cluster_job_id
+    WHERE started_at IS NOT NULL AND {scope} GROUP BY cluster_job_id
 ) AS first
 JOIN cluster_job c ON c.id = first.cluster_job_id
 """
@@ -169,12 +175,78 @@ PREPARE_SQL = """
 SELECT CASE WHEN started_at IS NOT NULL THEN 'started' ELSE 'failed' END AS label,
        greatest(0, extract(epoch FROM coalesce(started_at, finished_at) - created_at)) AS s
 FROM cluster_attempt
-WHERE started_at IS NOT NULL OR outcome = %s
+WHERE (started_at IS NOT NULL OR outcome = %s) AND {scope}
+"""
+
+# Tallied metrics: what cluster_metric_tally's `metric` column calls them.
+ATTEMPTS, QUEUED_TO_STARTED, PREPARE = "attempts", "queued_to_started", "prepare"
+
+
+def _attempt_figures(scope: str, scope_params: list):
+    """Finished attempts by outcome, open ones by phase, and the two histograms, over the
+    attempts of `scope`."""
+    from clusters.models import AttemptOutcome
+
+    finished = dict.fromkeys(AttemptOutcome.values, 0)
+    open_ = {"preparing": 0, "started": 0}
+    with connection.cursor() as cursor:
+        cursor.execute(ATTEMPTS_SQL.format(scope=scope), scope_params)
+        for outcome, is_open, started, n in cursor.fetchall():
+            if not is_open:
+                finished[outcome] = finished.get(outcome, 0) + n
+            else:
+                open_["started" if started else "preparing"] += n
+    waits = _histograms(
+        QUEUED_TO_STARTED_SQL.format(scope=scope), QUEUED_TO_STARTED_BUCKETS, scope_params
+    )
+    prepares = _histograms(
+        PREPARE_SQL.format(scope=scope),
+        PREPARE_BUCKETS,
+        [AttemptOutcome.PREPARE_FAILED, *scope_params],
+    )
+    return finished, open_, waits, prepares
+
+
+def _histogram_series(histograms) -> list[tuple[str, float]]:
+    out = []
+    for label, (pairs, total) in histograms.items():
+        out += [(f"{label}|{le}", n) for le, n in pairs]
+        out.append((f"{label}|sum", total))
+    return out
+
+
+TALLY_SQL = """
+INSERT INTO cluster_metric_tally (metric, series, value) VALUES (%s, %s, %s)
+ON CONFLICT (metric, series) DO UPDATE SET value = cluster_metric_tally.value + EXCLUDED.value
 """
 
 
+def tally_deleted(cluster_ids: list[int]) -> None:
+    """Add what these clusters' attempts count to the tally. The retention pass calls this in
+    the transaction that deletes them, so each is tallied exactly once."""
+    finished, _, waits, prepares = _attempt_figures(THESE_CLUSTERS, [cluster_ids])
+    rows = [(ATTEMPTS, outcome, n) for outcome, n in finished.items() if n and outcome]
+    rows += [(QUEUED_TO_STARTED, s, v) for s, v in _histogram_series(waits)]
+    rows += [(PREPARE, s, v) for s, v in _histogram_series(prepares)]
+    if rows:
+        with connection.cursor() as cursor:
+            cursor.executemany(TALLY_SQL, rows)
+
+
+def _tally() -> dict[tuple[str, str], float]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT metric, series, value FROM cluster_metric_tally")
+        return {(metric, series): value for metric, series, value in cursor.fetchall()}
+
+
+def _with_tally(histogram, label: str, tally, metric: str):
+    pairs, total = histogram
+    pairs = [(le, n + int(tally.get((metric, f"{label}|{le}"), 0))) for le, n in pairs]
+    return pairs, total + tally.get((metric, f"{label}|sum"), 0.0)
+
+
 def database_metrics():
-    from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
+    from clusters.models import ClusterJob, ClusterStatus
     from gradient.jobs.models import JobKind
     from workers.models import IdleSlot, Worker
 
@@ -186,20 +258,13 @@ def database_metrics():
         clusters.add_metric([status], n)
     yield clusters
 
-    finished = dict.fromkeys(AttemptOutcome.values, 0)
-    open_ = {"preparing": 0, "started": 0}
-    with connection.cursor() as cursor:
-        cursor.execute(ATTEMPTS_SQL)
-        for outcome, is_open, started, n in cursor.fetchall():
-            if not is_open:
-                finished[outcome] = finished.get(outcome, 0) + n
-            else:
-                open_["started" if started else "preparing"] += n
+    finished, open_, waits, prepares = _attempt_figures(EVERY_CLUSTER, [])
+    tally = _tally()
     attempts = CounterMetricFamily(
         "gradient_cluster_attempts", "Finished cluster attempts by outcome.", labels=["outcome"]
     )
     for outcome, n in finished.items():
-        attempts.add_metric([outcome], n)
+        attempts.add_metric([outcome], n + int(tally.get((ATTEMPTS, outcome), 0)))
     yield attempts
     opened = GaugeMetricFamily(
         "gradient_cluster_attempts_open",
@@ -210,22 +275,22 @@ def database_metrics():
         opened.add_metric([phase], n)
     yield opened
 
-    waits = _histograms(QUEUED_TO_STARTED_SQL, QUEUED_TO_STARTED_BUCKETS)
     queued = HistogramMetricFamily(
         "gradient_cluster_queued_to_started_seconds",
         "Seconds from a cluster's creation to the start of its first started attempt.",
     )
-    queued.add_metric([], *waits.get("", _empty(QUEUED_TO_STARTED_BUCKETS)))
+    wait = waits.get("", _empty(QUEUED_TO_STARTED_BUCKETS))
+    queued.add_metric([], *_with_tally(wait, "", tally, QUEUED_TO_STARTED))
     yield queued
 
-    prepares = _histograms(PREPARE_SQL, PREPARE_BUCKETS, [AttemptOutcome.PREPARE_FAILED])
     prepare = HistogramMetricFamily(
         "gradient_cluster_prepare_seconds",
         "Seconds from an attempt's claim to its start (result=started) or failed prepare.",
         labels=["result"],
     )
     for result in ("started", "failed"):
-        prepare.add_metric([result], *prepares.get(result, _empty(PREPARE_BUCKETS)))
+        figures = prepares.get(result, _empty(PREPARE_BUCKETS))
+        prepare.add_metric([result], *_with_tally(figures, result, tally, PREPARE))
     yield prepare
 
     since = timezone.now() - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])

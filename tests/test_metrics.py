@@ -20,8 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clusters import coordinator
 from clusters.dispatch import PASS_LOCK, run_pass
-from clusters.models import ClusterAttempt
+from clusters.models import ClusterAttempt, ClusterJob
 from clusters.recovery import member_report
+from clusters.retention import run_retention
 from gradient import metrics
 from gradient.asgi import application
 from gradient.jobs.models import DispatchedJob
@@ -31,7 +32,7 @@ from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactor
 from workers.models import IdleSlot
 from workers.protocol import MemberRef
 
-TEST_REDIS_DB = 11
+TEST_REDIS_DB = 12
 CAPS = {
     "type": "WorkerCapabilities",
     "architectures": ["x86_64-linux"],
@@ -144,6 +145,56 @@ def test_a_failed_prepare_is_timed_apart_from_started_ones():
     assert value(samples, "gradient_cluster_prepare_seconds_count", result="started") == 0
     assert value(samples, "gradient_cluster_attempts_total", outcome="PrepareFailed") == 1
     assert value(samples, "gradient_cluster_queued_to_started_seconds_count") == 0
+
+
+def cumulative(samples) -> dict:
+    """The counter and histogram samples over attempts: what must never go down."""
+    names = (
+        "gradient_cluster_attempts_total",
+        "gradient_cluster_queued_to_started_seconds_",
+        "gradient_cluster_prepare_seconds_",
+    )
+    return {k: v for k, v in samples.items() if k[0].startswith(names)}
+
+
+@pytest.mark.django_db
+def test_the_retention_pass_deleting_clusters_never_lowers_a_counter(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "RETENTION_DAYS": 1}
+    completed, rows = started_cluster()
+    for row in rows.values():
+        member_report(row.worker_id, row.job_id, row.pk, "Completed")
+    failed = ClusterFactory()
+    EvalMemberFactory(cluster_job=failed, role="server")
+    BuildMemberFactory(cluster_job=failed, role="client")
+    IdleSlot.objects.all().delete()
+    idle_workers(2)
+    assert run_pass().claimed == [failed.pk]
+    coordinator.abort_prepare(ClusterAttempt.objects.get(cluster_job=failed).pk, "timeout")
+    ClusterJob.objects.filter(pk=failed.pk).update(status="Failed")
+    kept = started_cluster()[0]  # running: retention keeps it
+    before = cumulative(scrape())
+    assert value(before, "gradient_cluster_attempts_total", outcome="Succeeded") == 1
+    assert value(before, "gradient_cluster_attempts_total", outcome="PrepareFailed") == 1
+    assert value(before, "gradient_cluster_prepare_seconds_count", result="started") == 2
+
+    old = timezone.now() - timedelta(days=2)
+    ClusterJob.objects.filter(pk__in=[completed.pk, failed.pk]).update(updated_at=old)
+    assert run_retention() == 2
+    assert list(ClusterJob.objects.values_list("pk", flat=True)) == [kept.pk]
+    assert cumulative(scrape()) == pytest.approx(before)
+
+    # New attempts add to the tallied ones; a second pass tallies nothing twice.
+    for row in DispatchedJob.objects.filter(cluster_attempt__cluster_job=kept):
+        member_report(row.worker_id, row.job_id, row.pk, "Completed")
+    ClusterJob.objects.filter(pk=kept.pk).update(updated_at=old)
+    assert run_retention() == 1
+    assert run_retention() == 0
+    after = scrape()
+    assert value(after, "gradient_cluster_attempts_total", outcome="Succeeded") == 2
+    assert value(after, "gradient_cluster_prepare_seconds_count", result="started") == 2
+    assert value(after, "gradient_cluster_prepare_seconds_count", result="failed") == 1
+    assert value(after, "gradient_cluster_queued_to_started_seconds_count") == 2
+    assert ClusterAttempt.objects.count() == 0
 
 
 @pytest.mark.django_db
