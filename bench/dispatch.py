@@ -131,6 +131,8 @@ def populate(clusters: int, workers: int) -> dict:
             [SCORED],
         )
         scores = cursor.rowcount
+        # As autovacuum leaves it: the visibility map set, so index-only scans stay so.
+        cursor.execute("VACUUM ANALYZE job_score")
         cursor.execute("ANALYZE")
     return {"scores": scores}
 
@@ -151,7 +153,10 @@ def reset_for_pass() -> None:
             " CROSS JOIN (VALUES ('eval'), ('build')) AS k(kind)"
             " WHERE k.kind = 'build' OR w.can_eval"
         )
-        cursor.execute("VACUUM ANALYZE dispatched_job, cluster_attempt, idle_slot")
+        cursor.execute(
+            "VACUUM ANALYZE dispatched_job, cluster_attempt, idle_slot, derivation_build,"
+            " cluster_job"
+        )
 
 
 class Stopwatch:
@@ -302,16 +307,23 @@ def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
         " are written straight into the tables (no sessions), and the channel layer is the"
         " in-memory one, so sends cost next to nothing. The columns after the pass are its"
         " pieces in seconds, timed by wrappers around what `run_pass` calls:"
-        " `startable_clusters` (the book), `snapshot` (idle workers and scores), `planner.plan`,"
-        " and the claims with their sends (`_claim_all`: every `claim_placement`, on 4 threads"
-        " from 16 placements, and the batched `send_frames`); other is the advisory lock,"
-        " `expire_overdue_prepares`, the reservation pass and the rest. Medians over"
+        " `startable_clusters` (the book), `snapshot` (idle workers and each member job's"
+        " cheapest scores), `planner.plan` (with the full score lists it reads on the way),"
+        " and the claims with their sends (`_claim_all`: `claim_clusters` over batches of"
+        " 128 placements, each batch one transaction of two pipelined round trips, and one"
+        " `send_frames` per batch); other is the advisory lock, `expire_overdue_prepares`,"
+        " the reservation pass and the rest. Medians over"
         f" {repeat} passes after a warm-up pass, each pass starting from the same state (every"
-        " claim undone, every idle slot fresh). Where the time goes: the snapshot is"
-        " PostgreSQL grouping every score of the members' jobs (all of them: the planner may"
-        " need any), and the claims are one `claim_cluster` transaction per placement, several"
-        " round trips each, CPU-bound on this machine past two threads. Target: under 1 s at"
-        " 1,000 x 4 over 5,000 workers.\n\n"
+        " claim undone, every idle slot fresh; `job_score` vacuumed once after it is written, as"
+        " autovacuum would). Where the time goes: the snapshot reads the"
+        " 129 cheapest scores of each member job from `idx-job_score-job-size` alone (about"
+        " half a million index entries at 1,000 x 5,000, not 4 million rows); the plan is a few"
+        " numpy operations per cluster plus, late in the pass when the cheapest workers are"
+        " taken, one query per member job that needs its full list (about a hundred); the"
+        " claims are a handful of set-based statements per batch (the seats locked, the"
+        " attempts, every member's claim row, the builds' transition) and the deferred foreign"
+        " key checks at each commit, then the AssignJob frames built in Python. Target: under"
+        " 1 s at 1,000 x 4 over 5,000 workers.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
         f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
         f" (load average {load})\n\n"
@@ -562,7 +574,9 @@ def gang_section(command: str, gang: dict) -> str:
         " real stack: one daphne, one Celery worker (`-c 2`) and beat as subprocesses on the"
         " bench database and Redis database 9, the dispatch interval left at 5 s (so the path"
         " measured is the wake-up: RequestJob unanswered, idle slot recorded, dispatch task"
-        " queued, pass, claim, AssignJob, every AssignJobResponse, StartCluster), and reference"
+        " queued (only while a cluster waits for seats, so idle workers asking for work between"
+        " trials do not keep a pass running for the wake-up to queue behind), pass, claim,"
+        " AssignJob, every AssignJobResponse, StartCluster), and reference"
         " workers (`SimulatedWorker`, real WebSockets) in the script's event loop. Each trial"
         " submits a cluster of 2, 3 or 4 members (evals and builds) to a group of workers of"
         " its own project whose last worker holds back its RequestJob, so only members - 1 seats"

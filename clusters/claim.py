@@ -3,7 +3,9 @@
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
 first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim locks
 its cluster first, but only to insert a new attempt, which conflicts with no existing one
-(ON CONFLICT DO NOTHING returns at once), and claims its members in job-key order.
+(ON CONFLICT DO NOTHING returns at once), and claims its members in job-key order. A batch
+of claims (claim_clusters) takes each step for all its clusters at once, in the same order:
+the seats by (worker, kind), the clusters by id, the members by job key, then the builds.
 """
 
 import logging
@@ -11,13 +13,20 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import psycopg
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 from clusters.models import AttemptOutcome, ClusterStatus
 from gradient.jobs.claim import Assignment, claim_assignments
-from gradient.jobs.models import BuildStatus, DispatchedOutcome, EvaluationStatus, JobKind
+from gradient.jobs.models import (
+    EVALUATION_STARTABLE,
+    BuildStatus,
+    DispatchedOutcome,
+    EvaluationStatus,
+    JobKind,
+)
 from gradient.jobs.transitions import advance_builds, advance_evaluations
 
 log = logging.getLogger(__name__)
@@ -102,6 +111,205 @@ def claim_cluster(claim: ClusterClaim) -> bool:
         log.warning("claim of cluster %s lost on a lock wait: %s", claim.cluster_id, exc)
         return False
     return True
+
+
+# The seats of a batch, locked while they are live: the seats of a claim that wins are deleted
+# as the batch commits, those of one that loses are left as they were.
+LOCK_IDLE_SEATS_SQL = """
+SELECT s.worker_id, s.kind FROM idle_slot s
+JOIN unnest(%s::bigint[], %s::text[], %s::timestamptz[]) AS t(worker, kind, since)
+  ON s.worker_id = t.worker AND s.kind = t.kind
+WHERE s.recorded_at >= t.since
+ORDER BY s.worker_id, s.kind
+FOR UPDATE OF s
+"""
+
+# Every cluster's attempt, inserted only while its cluster is Queued; idx-cluster_attempt-open
+# makes a cluster with an open attempt insert nothing (OPEN_ATTEMPT_SQL, a row per cluster).
+OPEN_ATTEMPTS_SQL = """
+INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
+SELECT t.id, t.cluster, t.created_at
+FROM unnest(%s::uuid[], %s::bigint[], %s::timestamptz[]) AS t(id, cluster, created_at)
+WHERE EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = t.cluster AND c.status = %s FOR SHARE)
+ORDER BY t.cluster
+ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
+RETURNING cluster_job_id
+"""
+
+# The single-assignment claim statement (gradient.jobs.claim.CLAIM_SQL) over every member of
+# a batch, a row each: its own job key, its own start condition (ClaimGate.condition: a build
+# still Queued in the substitute mode seen, an evaluation not finished), its attempt. Rows go
+# in job-key order; idx-dispatched_job-open-job makes a key open elsewhere insert nothing.
+CLAIM_MEMBERS_SQL = """
+INSERT INTO dispatched_job (
+    id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
+    dispatched_at, cluster_attempt_id, missing_nar_size
+)
+SELECT t.id, t.kind, t.job_id, t.evaluation_id, t.build_id, t.worker_id, t.project_id,
+       string_to_array(t.steps, ','), t.dispatched_at, t.attempt_id, t.size
+FROM unnest(%(id)s::uuid[], %(kind)s::text[], %(key)s::text[], %(evaluation)s::uuid[],
+            %(build)s::uuid[], %(worker)s::bigint[], %(project)s::bigint[], %(steps)s::text[],
+            %(at)s::timestamptz[], %(attempt)s::uuid[], %(size)s::bigint[],
+            %(substitute)s::bool[])
+     AS t(id, kind, job_id, evaluation_id, build_id, worker_id, project_id, steps,
+          dispatched_at, attempt_id, size, substitute)
+WHERE CASE WHEN t.build_id IS NOT NULL
+           THEN EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = t.build_id
+                        AND b.status = %(queued)s AND b.cache_available = t.substitute)
+           ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
+                        AND e.status = ANY(%(startable)s))
+      END
+ORDER BY t.job_id
+ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
+RETURNING job_id
+"""
+
+# The Assigned transition of the builds of a batch: which moved (advance_builds, by id).
+ASSIGN_BUILDS_SQL = """
+UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[]) AND status = %s RETURNING id
+"""
+
+
+def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
+    """claim_cluster for each of many clusters, in two round trips for them all; whether each
+    won. Every claim still wins or loses on its own: one that loses writes nothing.
+
+    One transaction for the batch, its statements sent without waiting for each other (a
+    psycopg pipeline), one per step for every claim: lock the seats (not yet taken), open the
+    attempts, claim the members (in job-key order), the builds' Assigned transition. A claim
+    that lost any step (a seat gone or stale, its attempt or a member inserting nothing, a
+    build no longer Queued) is then undone row by row in the same transaction, and the
+    winners take their seats, before the one commit: nothing of a loser is ever visible to
+    another transaction. Should the batch fail as a whole (a lock_timeout behind a frozen
+    rival), each claim is retried alone, so that only the one in the way loses.
+    """
+    if not _disjoint(claims):
+        # Claims that share a cluster, a job or a seat decide against each other in order.
+        return [claim_cluster(claim) for claim in claims]
+    claimable = [c for c in claims if c.members]
+    if not claimable:
+        return [False] * len(claims)
+    try:
+        won = _claim_batch(claimable)
+    except OperationalError as exc:
+        log.warning("a batch of %d claims failed (%s); claiming one by one", len(claims), exc)
+        return [claim_cluster(claim) for claim in claims]
+    return [c.cluster_id in won for c in claims]
+
+
+def _disjoint(claims: list[ClusterClaim]) -> bool:
+    clusters = [c.cluster_id for c in claims]
+    keys = [m.gate.key for c in claims for m in c.members]
+    seats = [seat for c in claims for seat in c.idle_seats]
+    return all(len(set(xs)) == len(xs) for xs in (clusters, keys, seats))
+
+
+def _member_columns(members: list[tuple[ClusterClaim, Assignment]]) -> dict[str, list]:
+    names = "id kind key evaluation build worker project steps at attempt size substitute"
+    columns: dict[str, list] = {name: [] for name in names.split()}
+    for claim, m in members:
+        is_build = m.gate.kind == JobKind.BUILD
+        columns["id"].append(m.id)
+        columns["kind"].append(m.gate.kind)
+        columns["key"].append(m.gate.key)
+        columns["evaluation"].append(None if is_build else m.gate.job)
+        columns["build"].append(m.gate.job if is_build else None)
+        columns["worker"].append(m.worker_id)
+        columns["project"].append(m.project_id)
+        columns["steps"].append(",".join(m.steps))
+        columns["at"].append(claim.now)
+        columns["attempt"].append(claim.attempt_id)
+        columns["size"].append(m.missing_nar_size)
+        columns["substitute"].append(m.gate.substitute)
+    return columns
+
+
+def _claim_batch(claims: list[ClusterClaim]) -> set[int]:
+    members = sorted(
+        ((claim, m) for claim in claims for m in claim.members), key=lambda cm: cm[1].gate.key
+    )
+    for claim, member in members:
+        member.cluster_attempt_id = claim.attempt_id
+        member.dispatched_at = claim.now
+    owner = {m.gate.key: claim.cluster_id for claim, m in members}
+    seats = sorted({(w, k, c.cluster_id, c.idle_since) for c in claims for w, k in c.idle_seats})
+    builds = {m.gate.job: c.cluster_id for c, m in members if m.gate.kind == JobKind.BUILD}
+    ordered = sorted(claims, key=lambda c: c.cluster_id)
+    ms = int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])
+    with transaction.atomic(durable=True):
+        pg = connection.connection  # (the atomic block opened it)
+
+        def cursor():
+            # Server-side binding: Django's own cursors quote every parameter into the text.
+            return psycopg.Cursor(pg)
+
+        with connection.wrap_database_errors:
+            with pg.pipeline():
+                cursor().execute(f"SET LOCAL lock_timeout = {ms}")
+                seat_rows = cursor()
+                if seats:
+                    seat_rows.execute(
+                        LOCK_IDLE_SEATS_SQL,
+                        [[s[0] for s in seats], [s[1] for s in seats], [s[3] for s in seats]],
+                    )
+                attempt_rows = cursor()
+                attempt_rows.execute(
+                    OPEN_ATTEMPTS_SQL,
+                    [
+                        [c.attempt_id for c in ordered],
+                        [c.cluster_id for c in ordered],
+                        [c.now for c in ordered],
+                        ClusterStatus.QUEUED.value,
+                    ],
+                )
+                member_rows = cursor()
+                member_rows.execute(
+                    CLAIM_MEMBERS_SQL,
+                    {
+                        **_member_columns(members),
+                        "queued": BuildStatus.QUEUED.value,
+                        "startable": sorted(s.value for s in EVALUATION_STARTABLE),
+                    },
+                )
+                build_rows = cursor()
+                build_rows.execute(
+                    ASSIGN_BUILDS_SQL,
+                    [BuildStatus.BUILDING.value, list(builds), BuildStatus.QUEUED.value],
+                )
+            live = set(seat_rows.fetchall()) if seats else set()
+            opened = {row[0] for row in attempt_rows.fetchall()}
+            claimed = {row[0] for row in member_rows.fetchall()}
+            moved = {row[0] for row in build_rows.fetchall()}
+            lost = {c for w, k, c, _ in seats if (w, k) not in live}
+            lost |= {c.cluster_id for c in claims if c.cluster_id not in opened}
+            lost |= {c for key, c in owner.items() if key not in claimed}
+            lost |= {c for job, c in builds.items() if job not in moved}
+            won = {c.cluster_id for c in claims} - lost
+            with pg.pipeline():
+                if lost:
+                    _undo(cursor, [c for c in claims if c.cluster_id in lost], builds, moved)
+                taken = [(w, k) for w, k, c, _ in seats if c in won]
+                if taken:
+                    cursor().execute(
+                        "DELETE FROM idle_slot s USING unnest(%s::bigint[], %s::text[])"
+                        " AS t(worker, kind) WHERE s.worker_id = t.worker AND s.kind = t.kind",
+                        [[w for w, _ in taken], [k for _, k in taken]],
+                    )
+    return won
+
+
+def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
+    """Remove what the losing claims of a batch wrote, inside its transaction."""
+    attempt_ids = [c.attempt_id for c in losers]
+    cluster_ids = {c.cluster_id for c in losers}
+    cursor().execute("DELETE FROM dispatched_job WHERE cluster_attempt_id = ANY(%s)", [attempt_ids])
+    cursor().execute("DELETE FROM cluster_attempt WHERE id = ANY(%s)", [attempt_ids])
+    back = [job for job, c in builds.items() if c in cluster_ids and job in moved]
+    if back:
+        cursor().execute(
+            "UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[])",
+            [BuildStatus.QUEUED.value, back],
+        )
 
 
 def _take_idle_seats(claim: ClusterClaim) -> bool:

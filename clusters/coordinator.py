@@ -8,7 +8,7 @@ out after the commit that justifies them.
 import logging
 import uuid
 
-from django.db import transaction
+from django.db import connection
 from django.utils import timezone
 
 from clusters.claim import fail_prepare_attempt, start_cluster_attempt
@@ -41,26 +41,24 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
     return sorted(seats, key=lambda s: (s[1], s[2]))
 
 
+ACCEPT_SQL = """
+UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, %s)
+WHERE worker_id = %s AND job_id = %s AND finished_at IS NULL AND cluster_attempt_id IS NOT NULL
+RETURNING cluster_attempt_id
+"""
+
+
 def member_accepted(worker_id: int, job_id: str) -> bool:
     """Record a member's acceptance; the last one starts the attempt and sends every member
     StartCluster with the roster. True when this acceptance started it."""
-    with transaction.atomic(durable=True):
-        row = (
-            DispatchedJob.objects.select_for_update()
-            .filter(
-                worker_id=worker_id,
-                job_id=job_id,
-                finished_at__isnull=True,
-                cluster_attempt__isnull=False,
-            )
-            .first()
-        )
-        if row is None:
-            raise NotAllowed(f"{job_id} is not held by this worker")
-        if row.accepted_at is None:
-            row.accepted_at = timezone.now()
-            row.save(update_fields=["accepted_at"])
-        attempt_id = row.cluster_attempt_id
+    # One statement, its own transaction: the acceptance of an open member row, kept as first
+    # given.
+    with connection.cursor() as cursor:
+        cursor.execute(ACCEPT_SQL, [timezone.now(), worker_id, job_id])
+        row = cursor.fetchone()
+    if row is None:
+        raise NotAllowed(f"{job_id} is not held by this worker")
+    attempt_id = row[0]
     waiting = DispatchedJob.objects.filter(cluster_attempt_id=attempt_id).exclude(
         finished_at__isnull=True, accepted_at__isnull=False
     )

@@ -1,15 +1,14 @@
 """The cluster-dispatch pass: expire overdue prepares, then place every cluster that can start
-(prioritized first, then the oldest), take each placement's seats and claim it in one
-transaction, and send every seat its AssignJob with the hold.
+(prioritized first, then the oldest), take each placement's seats and claim it (in batches,
+each claim winning or losing on its own), and send every seat its AssignJob with the hold.
 
 It runs every GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS and whenever a RequestJob goes
-unanswered. Any number may be started at once: one at a time does the work (an advisory lock),
-and each claim re-checks what it takes, so a second pass could only lose its claims.
+unanswered while a cluster waits for seats. Any number may be started at once: one at a time
+does the work (an advisory lock), and each claim re-checks what it takes, so a second pass
+could only lose its claims.
 """
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,11 +17,11 @@ from typing import NamedTuple
 import numpy as np
 import redis
 from django.conf import settings
-from django.db import connection, connections
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from clusters import planner, reservation
-from clusters.claim import ClusterClaim, claim_cluster
+from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
 from clusters.recovery import expire_overdue_prepares
 from clusters.tracking import (
     MemberRow,
@@ -71,16 +70,64 @@ GROUP BY w.id
 ORDER BY w.id
 """
 
-# Answered scores of the members' jobs, one row per job: its (worker id, size) pairs packed as
-# big-endian int64s, so a million pairs cost a few bytes objects instead of a million tuples.
-# Scores of workers without an idle slot come along: the planner drops workers it does not
-# know (a filter on worker_id here makes PostgreSQL walk the worker index, far slower).
-SCORES_SQL = """
-SELECT job_id, string_agg(int8send(worker_id) || int8send(missing_nar_size), ''::bytea)
-FROM job_score
-WHERE job_id = ANY(%s::text[]) AND missing_nar_size IS NOT NULL
-GROUP BY job_id
+# Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
+# more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
+# pairs: an index-only scan of a few hundred entries per job instead of every score. The
+# planner reads the rest of a job only when too few of its cheapest are left to decide
+# (load_scores). Scores of workers without an idle slot come along and are dropped by the
+# planner: filtering on the idle ones here costs more than it saves, though in a fleet where
+# most workers are busy it makes the planner read more jobs in full.
+CHEAPEST_SCORES_SQL = """
+SELECT k.key, top.packed, top.n
+FROM unnest(%(keys)s::text[]) AS k(key)
+CROSS JOIN LATERAL (
+    SELECT string_agg(int8send(c.worker_id) || int8send(c.missing_nar_size), ''::bytea)
+               AS packed,
+           count(*) AS n
+    FROM (SELECT s.worker_id, s.missing_nar_size FROM job_score s
+          WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
+          ORDER BY s.missing_nar_size, s.worker_id
+          LIMIT %(limit)s + 1) c
+) top
+WHERE top.n > 0
 """
+
+# Every answered score of some jobs (the planner drops those of workers it does not know),
+# each job's from the index alone. No filter on the idle workers: binding thousands of ids
+# costs more per query than the few extra rows do.
+ALL_SCORES_SQL = """
+SELECT k.key, top.packed
+FROM unnest(%(keys)s::text[]) AS k(key)
+CROSS JOIN LATERAL (
+    SELECT string_agg(int8send(s.worker_id) || int8send(s.missing_nar_size), ''::bytea) AS packed
+    FROM job_score s WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
+) top
+WHERE top.packed IS NOT NULL
+"""
+
+# How many of each job's cheapest scores a pass reads up front. A member needs k free seats
+# of its own per zone among them; fewer, and the planner reads that job in full.
+CHEAPEST = 128
+
+
+def _unpack(packed: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(worker ids, sizes) sorted by (size, worker id), as the planner needs them to tell that
+    a job's cheapest are a prefix of its full list."""
+    pairs = np.frombuffer(packed, dtype=">i8").reshape(-1, 2)
+    ids, sizes = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+    ordered = (np.diff(sizes) > 0) | ((np.diff(sizes) == 0) & (np.diff(ids) > 0))
+    if not ordered.all():
+        order = np.lexsort((ids, sizes))
+        ids, sizes = ids[order], sizes[order]
+    return ids, sizes
+
+
+def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
+    with connection.cursor() as cursor:
+        cursor.execute(ALL_SCORES_SQL, {"keys": keys})
+        rows = cursor.fetchall()
+    return {job_id: _unpack(packed) for job_id, packed in rows}
 
 
 class _IdleWorker(NamedTuple):
@@ -98,13 +145,14 @@ class _IdleWorker(NamedTuple):
 
 
 def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snapshot:
-    """What the planner needs, read in three queries of plain rows: the connected workers
-    with a live idle slot (but for the `reserved` ones), and their scores for the members'
-    jobs."""
+    """What the planner needs, read in a few queries of plain rows: the connected workers
+    with a live idle slot (but for the `reserved` ones), and each member job's cheapest
+    scores, with a loader for the rest (all_scores)."""
     ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     keys = [m.key for c in clusters for m in c.members]
     access: dict[int, set[int]] = {}
     scores: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    truncated: set[str] = set()
     with connection.cursor() as cursor:
         cursor.execute(IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved)})
         idle = [_IdleWorker._make(row) for row in cursor.fetchall()]
@@ -117,15 +165,20 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
             for worker_id, project_id in cursor.fetchall():
                 access.setdefault(worker_id, set()).add(project_id)
         if idle and keys:
-            cursor.execute(SCORES_SQL, [keys])
-            for job_id, packed in cursor.fetchall():
-                pairs = np.frombuffer(packed, dtype=">i8").reshape(-1, 2)
-                scores[job_id] = (pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64))
+            cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
+            for job_id, packed, count in cursor.fetchall():
+                ids, sizes = _unpack(packed)
+                if count > CHEAPEST:
+                    ids, sizes = ids[:CHEAPEST], sizes[:CHEAPEST]
+                    truncated.add(job_id)
+                scores[job_id] = (ids, sizes)
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c) for c in clusters),
         workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
         scores={},
         score_arrays=scores,
+        truncated=frozenset(truncated),
+        load_scores=all_scores,
     )
 
 
@@ -135,9 +188,8 @@ def hold_secs() -> int:
     return int(settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"]) + 10
 
 
-def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], since) -> list:
-    """Take the seats and claim the cluster in one transaction; the AssignJob frames to send
-    (empty when the claim was lost: nothing written, the members wait for the next pass)."""
+def _cluster_claim(placement: planner.Placement, rows: dict[str, MemberRow], since):
+    """The claim of a placement: its members' assignments and its seats' idle slots."""
     members = [(seat, rows[seat.member.key]) for seat in placement.seats]
     claim = ClusterClaim(
         cluster_id=placement.cluster_id,
@@ -154,9 +206,13 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
         idle_seats=[(seat.worker.id, row.kind) for seat, row in members],
         idle_since=since,
     )
-    if not claim_cluster(claim):
-        return []
+    return claim, members
+
+
+def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) -> list:
+    """The AssignJob frames of a claim won."""
     frames = []
+    hold = hold_secs()
     for assignment, (seat, row) in zip(claim.members, members, strict=True):
         frames.append(
             (
@@ -177,7 +233,7 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
                         attempt=str(claim.attempt_id),
                         role=row.role,
                         index=row.index,
-                        hold_secs=hold_secs(),
+                        hold_secs=hold,
                     ),
                 ),
             )
@@ -195,6 +251,15 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
     return frames
 
 
+def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], since) -> list:
+    """Take the seats and claim the cluster in one transaction; the AssignJob frames to send
+    (empty when the claim was lost: nothing written, the members wait for the next pass)."""
+    claim, members = _cluster_claim(placement, rows, since)
+    if not claim_cluster(claim):
+        return []
+    return _frames(placement, claim, members)
+
+
 def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
     frames = claim_placement(placement, rows, since)
     if frames:
@@ -202,80 +267,28 @@ def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
     return bool(frames)
 
 
-class _Outbox:
-    """AssignJob frames of the claims made so far, sent together: every send_frames call pays
-    for an event loop of its own, too much once per claim when a pass makes a thousand. The
-    first frame waits at most FLUSH_SECS plus one claim, and a pass sends what is left as it
-    ends."""
-
-    FLUSH_SECS = 0.05
-
-    def __init__(self):
-        self.frames: list = []
-        self.since = 0.0
-
-    def add(self, frames: list) -> None:
-        if not self.frames:
-            self.since = time.monotonic()
-        self.frames += frames
-        if time.monotonic() - self.since >= self.FLUSH_SECS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.frames:
-            frames, self.frames = self.frames, []
-            send_frames(frames)
-
-
-# A pass with many placements claims them on a few threads, each with its own database
-# connection, closed when the pass is done: every claim is a transaction of several round
-# trips, and one by one a thousand of them take seconds. Placements never share a worker or a
-# job, so the claims touch disjoint rows and cannot wait on each other.
-CLAIM_THREADS = 4
-CLAIM_THREADS_FROM = 16  # placements; fewer are claimed one by one
+# Placements claimed together: one transaction and two round trips per batch (claim_clusters),
+# each claim still winning or losing on its own. The AssignJobs of a batch go out as soon as it
+# commits, so the first seats hear of their claim after one batch, not after the pass.
+CLAIM_BATCH = 128
 
 
 def _claim_all(placements: list[planner.Placement], rows: dict, since) -> set[int]:
     """Claim every placement and send the AssignJobs of those won; the clusters claimed."""
     claimed: set[int] = set()
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for placement in placements:
-        todo.put(placement)
-    failures: list[BaseException] = []
-
-    def claim_some(own_connection: bool) -> None:
-        outbox = _Outbox()
-        try:
-            while True:
-                try:
-                    placement = todo.get_nowait()
-                except queue.Empty:
-                    return
-                frames = claim_placement(placement, rows, since)
-                if frames:
-                    outbox.add(frames)
-                    claimed.add(placement.cluster_id)
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            outbox.flush()
-            if own_connection:
-                connections.close_all()
-
-    # Inside a transaction (a test's) other connections would not see its rows.
-    if len(placements) < CLAIM_THREADS_FROM or connection.in_atomic_block:
-        claim_some(own_connection=False)
-    else:
-        threads = [
-            threading.Thread(target=claim_some, args=(True,), name=f"claim-{i}")
-            for i in range(CLAIM_THREADS)
+    for at in range(0, len(placements), CLAIM_BATCH):
+        batch = [
+            (placement, *_cluster_claim(placement, rows, since))
+            for placement in placements[at : at + CLAIM_BATCH]
         ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if failures:
-        raise failures[0]
+        won = claim_clusters([claim for _, claim, _ in batch])
+        frames = []
+        for (placement, claim, members), ok in zip(batch, won, strict=True):
+            if ok:
+                frames += _frames(placement, claim, members)
+                claimed.add(placement.cluster_id)
+        if frames:
+            send_frames(frames)
     return claimed
 
 
@@ -300,6 +313,9 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
 
 def _try_lock(wait: bool) -> bool:
     with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [PASS_LOCK])
+        if cursor.fetchone()[0]:
+            return True  # (one round trip when no other pass runs)
         if wait:
             # A woken pass waits for the running one: the wake-up may carry its new idle slot.
             cursor.execute("SET lock_timeout = '10s'")
@@ -310,8 +326,7 @@ def _try_lock(wait: bool) -> bool:
                 return False
             finally:
                 cursor.execute("RESET lock_timeout")
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [PASS_LOCK])
-        return cursor.fetchone()[0]
+        return False
 
 
 def run_pass(wait: bool = False) -> PassResult:
@@ -327,11 +342,12 @@ def run_pass(wait: bool = False) -> PassResult:
         ready = startable_clusters(now)
         result.ready = len(ready)
         rows = {m.key: m for c in ready for m in c.members}
-        # Other clusters plan over the unreserved idle workers.
-        placements = planner.plan(snapshot(ready, now, reservation.reserved_workers()))
-        result.placed = len(placements)
-        claimed = _claim_all(placements, rows, since)
-        result.claimed = [p.cluster_id for p in placements if p.cluster_id in claimed]
+        if ready:
+            # Other clusters plan over the unreserved idle workers.
+            placements = planner.plan(snapshot(ready, now, reservation.reserved_workers()))
+            result.placed = len(placements)
+            claimed = _claim_all(placements, rows, since)
+            result.claimed = [p.cluster_id for p in placements if p.cluster_id in claimed]
         result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
     finally:
         with connection.cursor() as cursor:
@@ -354,11 +370,35 @@ def _client():
     return _redis
 
 
+# A wake-up can place something only while a cluster waits for seats (Queued, no open attempt)
+# or a reservation waits for its seats to be idle. Otherwise idle workers asking for work would
+# keep a pass running back to back, and the one wake-up that completes a placement would
+# queue behind it.
+WAITING_SQL = """
+SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = 'Queued'
+               AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                               WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL))
+    OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)
+"""
+
+
+def clusters_waiting() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(WAITING_SQL)
+            return cursor.fetchone()[0]
+    except DatabaseError:
+        return True  # not known: wake, as before
+
+
 def wake_dispatch() -> bool:
-    """Queue a dispatch pass unless one is queued and not yet started. Best effort: losing
-    Redis loses only wake-ups, which the periodic pass makes up for."""
+    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
+    for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
+    up for."""
     from clusters.tasks import dispatch
 
+    if not clusters_waiting():
+        return False
     try:
         if not _client().set(WAKE_KEY, 1, nx=True, ex=10):
             return False

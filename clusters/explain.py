@@ -17,8 +17,6 @@ import numpy as np
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from clusters import planner, reservation
 from clusters.history import iso_utc
@@ -226,6 +224,11 @@ def _reason(member: planner.Member, worker: _Connected, reserved_for: int | None
 
 def _matching(seats: list[set[int]]) -> tuple[np.ndarray, list[int]]:
     """A maximum matching: each member's column (-1 if unmatched), and the worker ids."""
+    # Imported here, not at the top: the admin imports this module in every daphne, which
+    # must start listening again quickly after a restart, and scipy takes long to import.
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_bipartite_matching
+
     columns = sorted(set().union(*seats))
     at = {w: c for c, w in enumerate(columns)}
     rows = [r for r, s in enumerate(seats) for _ in s]

@@ -13,14 +13,13 @@ a Python loop over pairs, and the solver only sees each member's k cheapest seat
 """
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 # What a never-scored seat adds to Placement.cost: more than any sum of real sizes (each below
 # 2**63, a bigint column), so a seating with fewer unscored seats always costs less.
@@ -77,6 +76,11 @@ class Snapshot:
     # a worker at most once per key. When set, plan() reads this before anything else: a query
     # can hand over millions of scores without a Python object per pair.
     score_arrays: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
+    # Keys whose score_arrays hold only their cheapest scores, sorted by (size, worker id): a
+    # prefix of the full list. plan() asks load_scores for a key's full arrays whenever its
+    # cheapest could be too few to decide (see _place).
+    truncated: frozenset[str] = frozenset()
+    load_scores: Callable[[list[str]], Mapping[str, tuple[np.ndarray, np.ndarray]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,30 +136,47 @@ def _place(cluster: Cluster, pool: "_Pool", scores: "_Scores") -> Placement | No
     seatable = np.stack([pool.eligible(m) for m in members]) & pool.available
     if not seatable.any(axis=1).all():
         return None  # a member without any seat: no need to read the scores
+    groups = pool.groups(cluster.same_zone)
     rows = [scores.row(m.key) for m in members]
-    cost = _costs(seatable, rows)
     # Each member's scored seats, cheapest first; per zone, the solver sees their shortlist.
-    preferred = [row.columns[line[row.columns]] for line, row in zip(seatable, rows, strict=True)]
+    preferred = _preferred(seatable, rows)
+    # A member's cheapest scores decide only while they hold k seats of every group: its k
+    # cheapest there are then the same as in its full list (both sorted alike). Else read it all.
+    k = len(members)
+    short = [
+        m.key
+        for m, row, seats in zip(members, rows, preferred, strict=True)
+        if not row.complete and pool.short_of(seats, cluster.same_zone, k)
+    ]
+    if short:
+        scores.complete(short)
+        rows = [scores.row(m.key) for m in members]
+        preferred = _preferred(seatable, rows)
+    # A truncated row leaves its member's dearer scores out of the matrix (the stand-in cost
+    # instead, built from the largest size seen): those are never in a minimum-cost seating,
+    # since one of its k cheapest seats is always free to move to, so the least cost is the
+    # same as over the full list, and so is the seating when only one seating costs that.
+    largest = max(row.largest for row in rows)
     best = None
-    for zone, columns in pool.groups(cluster.same_zone):
-        cheapest = map(_cheapest, seatable, preferred, repeat(columns), repeat(len(members)))
+    for zone, columns in groups:
+        cheapest = map(_cheapest, seatable, preferred, repeat(columns), repeat(k))
         shortlist = np.unique(np.concatenate(list(cheapest)))
-        seating = _solve(np.where(seatable[:, shortlist], cost[:, shortlist], np.inf))
+        cost = _costs(rows, shortlist, largest)
+        seating = _solve(np.where(seatable[:, shortlist], cost, np.inf))
         if seating is None:
             continue
-        placement = _placement(cluster, zone, shortlist[seating], pool, scores)
+        placement = _placement(cluster, zone, shortlist[seating], pool, rows)
         # Zones come in tie-break order, so only a strictly cheaper zone replaces the best.
         if best is None or placement.cost < best.cost:
             best = placement
     return best
 
 
-def _costs(seatable: np.ndarray, rows: list["_Row"]) -> np.ndarray:
-    """Each member's seat costs over every column: its missing NAR size where scored, else a
-    stand-in dearer than any scored seating. Where seatable is False there is no edge at all
-    (np.inf in the solver's matrix); a size of 0 is still an edge."""
+def _costs(rows: list["_Row"], columns: np.ndarray, largest: int) -> np.ndarray:
+    """Each member's seat costs over the given columns: its missing NAR size where scored,
+    else a stand-in dearer than any scored seating. (Where a column is no seat, the solver's
+    matrix gets np.inf: no edge at all; a size of 0 is still an edge.)"""
     k = len(rows)
-    largest = max(row.largest for row in rows)
     # Floats add integers exactly below 2**53, so sizes stay exact up to 2**50 / k**2 (64 TiB
     # for 4 members); larger ones are scaled down, which can blur their sums but not the rule
     # below.
@@ -163,10 +184,16 @@ def _costs(seatable: np.ndarray, rows: list["_Row"]) -> np.ndarray:
     scale = top / largest if largest > top else 1.0
     # Sizes are byte counts (>= 0). A stand-in of 2k times the largest makes one more
     # unscored seat dearer than any difference in real sizes, rounding and all.
-    cost = np.full(seatable.shape, 2.0 * k * top + 1.0)
+    cost = np.full((k, columns.size), 2.0 * k * top + 1.0)
     for line, row in zip(cost, rows, strict=True):
-        line[row.columns] = row.sizes * scale if scale != 1.0 else row.sizes
+        at, found = row.find(columns)
+        sizes = row.by_column_sizes[at[found]]
+        line[found] = sizes * scale if scale != 1.0 else sizes
     return cost
+
+
+def _preferred(seatable: np.ndarray, rows: list["_Row"]) -> list[np.ndarray]:
+    return [row.columns[line[row.columns]] for line, row in zip(seatable, rows, strict=True)]
 
 
 def _cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int) -> np.ndarray:
@@ -186,6 +213,11 @@ def _cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: in
 
 def _solve(cost: np.ndarray) -> np.ndarray | None:
     """The column of each row in a minimum-cost full matching, or None if there is none."""
+    # Imported here: scipy.optimize takes about a second to import, and every daphne imports
+    # this module (through clusters.tracking) without ever solving; a restarted daphne must
+    # listen again as soon as it can.
+    from scipy.optimize import linear_sum_assignment
+
     try:
         seated, columns = linear_sum_assignment(cost)
     except ValueError:  # "cost matrix is infeasible": no full matching avoids every np.inf
@@ -198,11 +230,11 @@ def _solve(cost: np.ndarray) -> np.ndarray | None:
 
 
 def _placement(
-    cluster: Cluster, zone: str | None, seated: np.ndarray, pool: "_Pool", scores: "_Scores"
+    cluster: Cluster, zone: str | None, seated: np.ndarray, pool: "_Pool", rows: list["_Row"]
 ) -> Placement:
     seats = tuple(
-        Seat(member, worker, scores.size(member.key, worker))
-        for member, worker in zip(cluster.members, (pool.workers[c] for c in seated), strict=True)
+        Seat(member, pool.workers[column], row.size_at(column))
+        for member, column, row in zip(cluster.members, seated.tolist(), rows, strict=True)
     )
     cost = sum(UNSCORED_COST if s.missing_nar_size is None else s.missing_nar_size for s in seats)
     return Placement(cluster.id, zone if cluster.same_zone else None, seats, cost)
@@ -226,6 +258,9 @@ class _Pool:
         for zone in zones:
             self._zones.append((zone, slice(start, start + count[zone])))
             start += count[zone]
+        # Each column's zone, and the zones that have workers at all.
+        self._zone_of = np.repeat(np.arange(len(zones)), [count[z] for z in zones])
+        self._peopled = np.array([count[z] > 0 for z in zones])
         ids = np.array([w.id for w in self.workers], dtype=np.int64)
         self._by_id = np.argsort(ids)
         self._sorted_ids = ids[self._by_id]
@@ -255,6 +290,14 @@ class _Pool:
             ]
         return [(None, slice(0, self.size))]
 
+    def short_of(self, seats: np.ndarray, same_zone: bool, k: int) -> bool:
+        """Whether these seats (columns) number fewer than k in some column range that
+        groups() gives for a cluster."""
+        if not same_zone:
+            return seats.size < k
+        counts = np.bincount(self._zone_of[seats], minlength=self._peopled.size)
+        return bool((counts[self._peopled] < k).any())
+
     def eligible(self, member: Member) -> np.ndarray:
         """Columns that are a seat for the member (seat_reason None), whether seated or not."""
         profile = (member.kind, member.pin, member.architecture, member.features, member.project_id)
@@ -270,7 +313,9 @@ class _Pool:
     def column_of(self, worker_ids: np.ndarray) -> np.ndarray:
         """The column of each worker id, -1 for a worker not in the pool."""
         if self._lookup is not None:
-            return self._lookup[np.clip(worker_ids, -1, self._lookup.size - 1)]
+            last = self._lookup.size - 1  # -1, for every id out of range
+            inside = (worker_ids >= 0) & (worker_ids < last)
+            return self._lookup[np.where(inside, worker_ids, last)]
         if self.size == 0:
             return np.full(worker_ids.shape, -1, dtype=np.int64)
         at = np.searchsorted(self._sorted_ids, worker_ids).clip(max=self.size - 1)
@@ -311,11 +356,25 @@ def _inverted(workers: tuple[Worker, ...], values) -> dict:
 
 
 class _Row(NamedTuple):
-    """One job key's scores from workers in the pool, cheapest first."""
+    """One job key's scores from workers in the pool, cheapest first (columns, sizes), and the
+    same by column for lookups; `complete` False when only the cheapest are here."""
 
     columns: np.ndarray
     sizes: np.ndarray
     largest: int
+    by_column: np.ndarray
+    by_column_sizes: np.ndarray
+    complete: bool = True
+
+    def find(self, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each column is in by_column, and whether it is there at all (scored)."""
+        at = np.searchsorted(self.by_column, columns)
+        at[at == self.by_column.size] = 0
+        return at, self.by_column[at] == columns if self.by_column.size else at < 0
+
+    def size_at(self, column: int) -> int | None:
+        at, found = self.find(np.array([column]))
+        return int(self.by_column_sizes[at[0]]) if found[0] else None
 
 
 _NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -329,6 +388,10 @@ class _Scores:
         self._flat = snapshot.scores
         self._by_job = snapshot.scores_by_job
         self._arrays = snapshot.score_arrays
+        self._truncated = set(snapshot.truncated)
+        if self._truncated:
+            self._arrays = dict(self._arrays or {})  # complete() replaces rows in it
+        self._load = snapshot.load_scores
         self._pool = pool
         self._rows: dict[str, _Row] = {}
         if self._by_job is None and self._arrays is None:
@@ -344,26 +407,36 @@ class _Scores:
                 by_worker = (self._by_job or {}).get(key, {})
                 ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
                 sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
-            row = self._rows[key] = _row(self._pool.column_of(ids), sizes)
+            row = _row(self._pool.column_of(ids), sizes, key not in self._truncated)
+            self._rows[key] = row
         return row
 
-    def size(self, key: str, worker: Worker) -> int | None:
-        if self._arrays is not None:
-            ids, sizes = self._arrays.get(key, _NO_SCORES)
-            at = np.flatnonzero(ids == worker.id)
-            return int(sizes[at[0]]) if at.size else None
-        if self._by_job is not None:
-            return self._by_job.get(key, {}).get(worker.id)
-        return self._flat.get((worker.id, key))
+    def complete(self, keys: list[str]) -> None:
+        """Replace the cheapest-only rows of these keys by their full lists."""
+        if self._load is None:
+            raise ValueError("truncated scores without load_scores")
+        full = self._load(keys)
+        for key in keys:
+            self._arrays[key] = full.get(key, _NO_SCORES)
+            self._truncated.discard(key)
+            self._rows.pop(key, None)
 
 
-def _row(columns: np.ndarray, sizes: np.ndarray) -> _Row:
+def _row(columns: np.ndarray, sizes: np.ndarray, complete: bool = True) -> _Row:
     known = columns >= 0  # a score from a worker that holds no idle slot is no use here
     if not known.all():
         columns, sizes = columns[known], sizes[known]
     order = np.argsort(sizes, kind="stable")
     columns, sizes = columns[order], sizes[order]
-    return _Row(columns, sizes, int(sizes[-1]) if sizes.size else 0)
+    by_column = np.argsort(columns)
+    return _Row(
+        columns,
+        sizes,
+        int(sizes[-1]) if sizes.size else 0,
+        columns[by_column],
+        sizes[by_column],
+        complete,
+    )
 
 
 def _regroup(scores: Mapping[tuple[int, str], int], keys: set[str], pool: _Pool) -> dict:

@@ -2,23 +2,27 @@
 raced from real concurrent connections."""
 
 import time
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from clusters.claim import (
     ClusterClaim,
     claim_cluster,
+    claim_clusters,
     close_cluster_attempt,
     fail_prepare_attempt,
     resolve_cluster_attempt,
     start_cluster_attempt,
 )
-from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
+from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob, EvaluationStatus
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
+from workers.models import IdleSlot
 
 TRIALS = 100
 
@@ -45,6 +49,19 @@ def claim_for(cluster, workers, reverse=False):
             for m, w in zip(members, workers, strict=False)
         ],
     )
+
+
+def seated_claim_for(cluster, workers, since):
+    """claim_for, taking each worker's idle slot of its member's kind (as the dispatch pass
+    does)."""
+    claim = claim_for(cluster, workers)
+    claim.idle_seats = [(m.worker_id, m.gate.kind) for m in claim.members]
+    claim.idle_since = since
+    for worker_id, kind in claim.idle_seats:
+        IdleSlot.objects.update_or_create(
+            worker_id=worker_id, kind=kind, defaults={"recorded_at": timezone.now()}
+        )
+    return claim
 
 
 def open_rows(cluster):
@@ -359,3 +376,111 @@ def test_server_connections_end_transactions_left_idle():
     with connection.cursor() as cursor:
         cursor.execute("SHOW idle_in_transaction_session_timeout")
         assert cursor.fetchone()[0] == "1min"
+
+
+# Batches: many clusters claimed in one transaction, each winning or losing on its own.
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_claims_each_cluster_on_its_own():
+    since = timezone.now() - timedelta(seconds=25)
+    clusters = [make_cluster() for _ in range(4)]
+    claims = [seated_claim_for(c, WorkerFactory.create_batch(2), since) for c in clusters]
+    # 0: a member is open as a single assignment; 1: a seat's idle slot went stale;
+    # 2: the cluster is no longer Queued; 3: nothing in the way.
+    server = clusters[0].members.get(role="server")
+    single = Assignment(
+        ClaimGate("eval", server.evaluation_id), WorkerFactory().pk, clusters[0].project_id
+    )
+    assert claim_assignment(single)
+    IdleSlot.objects.filter(worker_id=claims[1].idle_seats[1][0]).update(
+        recorded_at=since - timedelta(seconds=1)
+    )
+    ClusterJob.objects.filter(pk=clusters[2].pk).update(status=ClusterStatus.RUNNING)
+
+    assert claim_clusters(claims) == [False, False, False, True]
+
+    for cluster in clusters:
+        assert_whole_or_nothing(cluster)
+    assert ClusterAttempt.objects.get().pk == claims[3].attempt_id
+    assert list(open_rows(clusters[0]).values_list("id", flat=True)) == [single.id]
+    for cluster in clusters[:3]:
+        build = cluster.members.get(role="client").derivation_build
+        build.refresh_from_db()
+        assert build.status == BuildStatus.QUEUED
+    # The losers' seats stay idle; the winner took its own.
+    for claim in claims[:3]:
+        assert IdleSlot.objects.filter(worker_id__in=[w for w, _ in claim.idle_seats]).count() == 2
+    assert not IdleSlot.objects.filter(worker_id__in=[w for w, _ in claims[3].idle_seats]).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_batches_racing_over_the_same_clusters_never_double_claim():
+    workers = WorkerFactory.create_batch(16)
+    wins = {"a": 0, "b": 0}
+    for _ in range(TRIALS // 4):
+        clusters = [make_cluster() for _ in range(4)]
+        a = [claim_for(c, workers[2 * i : 2 * i + 2]) for i, c in enumerate(clusters)]
+        b = [
+            claim_for(c, workers[8 + 2 * i : 10 + 2 * i], reverse=True)
+            for i, c in enumerate(clusters)
+        ][::-1]
+        won_a, won_b = race(lambda a=a: claim_clusters(a), lambda b=b: claim_clusters(b))
+        for cluster, x, y in zip(clusters, won_a, won_b[::-1], strict=True):
+            assert x != y, cluster.pk
+            wins["a" if x else "b"] += 1
+            assert_whole_or_nothing(cluster)
+            assert open_rows(cluster).count() == 2
+    assert all(wins.values()), wins
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_single_assignment_racing_a_batch_costs_only_its_own_cluster():
+    workers = WorkerFactory.create_batch(7)
+    wins = {"single": 0, "cluster": 0}
+    for i in range(TRIALS // 2):
+        clusters = [make_cluster() for _ in range(3)]
+        member = clusters[1].members.get(role="server" if i % 2 else "client")
+        gate = ClaimGate(member.kind, member.evaluation_id or member.derivation_build_id)
+        single = Assignment(gate, workers[6].pk, clusters[1].project_id)
+        claims = [claim_for(c, workers[2 * j : 2 * j + 2]) for j, c in enumerate(clusters)]
+        single_won, batch = race(
+            lambda s=single: claim_assignment(s), lambda c=claims: claim_clusters(c)
+        )
+        assert batch[0] and batch[2]  # never dragged down by the middle one
+        assert single_won != batch[1]
+        wins["single" if single_won else "cluster"] += 1
+        for cluster in clusters:
+            assert_whole_or_nothing(cluster)
+        assert open_rows(clusters[1]).filter(job_id=member.job_key).count() == 1
+    assert all(wins.values()), wins
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_frozen_rival_in_a_batch_costs_only_its_own_cluster(settings):
+    import psycopg
+
+    settings.GRADIENT = {**settings.GRADIENT, "CLAIM_LOCK_TIMEOUT_MS": 300}
+    clusters = [make_cluster() for _ in range(3)]
+    server = clusters[1].members.get(role="server")
+    settings_dict = connection.settings_dict
+    frozen = psycopg.connect(
+        dbname=settings_dict["NAME"],
+        user=settings_dict["USER"],
+        host=settings_dict["HOST"],
+        port=settings_dict["PORT"] or 5432,
+    )
+    try:
+        frozen.execute(
+            "INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, worker_id, project_id,"
+            " steps, dispatched_at) VALUES (gen_random_uuid(), 'eval', %s, %s, %s, %s, '{}',"
+            " now())",
+            [server.job_key, server.evaluation_id, WorkerFactory().pk, clusters[1].project_id],
+        )
+        claims = [claim_for(c, WorkerFactory.create_batch(2)) for c in clusters]
+        assert claim_clusters(claims) == [True, False, True]
+    finally:
+        frozen.rollback()
+        frozen.close()
+    for cluster in clusters:
+        assert_whole_or_nothing(cluster)

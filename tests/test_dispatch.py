@@ -7,8 +7,8 @@ import pytest
 from django.utils import timezone
 
 from clusters import coordinator
-from clusters.dispatch import claim_placement, run_pass
-from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
+from clusters.dispatch import claim_placement, clusters_waiting, run_pass
+from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.recovery import member_report
 from clusters.tracking import startable_clusters
 from gradient.errors import NotAllowed
@@ -221,3 +221,17 @@ def test_signals_from_outsiders_or_outside_a_started_attempt_are_dropped():
         coordinator.forward_signal(outsider.pk, attempt, None, 1)
     with pytest.raises(NotAllowed):
         coordinator.forward_signal(rows[0].worker_id, attempt, MemberRef(role="db", index=0), 1)
+
+
+def test_a_wake_up_is_worth_a_pass_only_while_a_cluster_waits_for_seats():
+    assert not clusters_waiting()  # nothing queued: an idle worker's RequestJob wakes nothing
+    cluster = two_member_cluster()
+    assert clusters_waiting()
+    attempt = ClusterAttempt.objects.create(cluster_job=cluster, created_at=timezone.now())
+    assert not clusters_waiting()  # claimed: it waits for acceptances, not seats
+    ClusterReservation.objects.create(cluster_job=cluster, created_at=timezone.now())
+    assert clusters_waiting()  # a reservation commits once its seats are idle
+    ClusterReservation.objects.update(released_at=timezone.now())
+    attempt.finished_at = timezone.now()
+    attempt.save()
+    assert clusters_waiting()  # queued again after a failed prepare

@@ -9,6 +9,7 @@ import itertools
 import random
 import time
 
+import numpy as np
 import pytest
 
 from clusters import planner
@@ -441,6 +442,67 @@ def test_scores_by_job_plans_like_the_flat_scores(seed):
     grouped = dataclasses.replace(snap, scores={}, scores_by_job=by_job)
 
     assert plan(grouped) == plan(snap)
+
+
+def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
+    """The snapshot as the dispatch pass reads it: each job's `keep` cheapest scores by (size,
+    worker id), and a loader for the full lists (the keys it was asked for are recorded)."""
+    full: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    by_job: dict[str, list[tuple[int, int]]] = {}
+    for (worker_id, key), size in snap.scores.items():
+        by_job.setdefault(key, []).append((size, worker_id))
+    for key, pairs in by_job.items():
+        pairs.sort()
+        full[key] = (np.array([w for _, w in pairs]), np.array([s for s, _ in pairs]))
+    arrays, truncated = {}, set()
+    for key, (ids, sizes) in full.items():
+        arrays[key] = (ids[:keep], sizes[:keep])
+        if ids.size > keep:
+            truncated.add(key)
+    asked: list = []
+
+    def load(keys):
+        asked.append(list(keys))
+        return {k: full[k] for k in keys if k in full}
+
+    cheap = dataclasses.replace(
+        snap, scores={}, score_arrays=arrays, truncated=frozenset(truncated), load_scores=load
+    )
+    return cheap, asked
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("keep", [0, 1, 3])
+def test_the_cheapest_scores_alone_place_at_the_same_least_cost(seed, keep):
+    # Ties are common here (small sizes): a seating may differ among equally cheap ones,
+    # never in cost.
+    snap = random_snapshot(seed, clusters=5, workers=8, most_members=4)
+    cheap, _ = cheapest_only(snap, keep)
+
+    placements = plan(cheap)
+
+    assert_sound(snap, placements)
+    placed = {p.cluster_id: p for p in placements}
+    taken: set[int] = set()
+    for c in snap.clusters:
+        left = [w for w in snap.workers if w.id not in taken]
+        best = brute_force_cost(c, left, snap.scores)
+        assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
+        if c.id in placed:
+            taken |= {seat.worker.id for seat in placed[c.id].seats}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_cheapest_scores_alone_give_the_same_placements_without_ties(seed):
+    snap = benchmark_snapshot(clusters=150, workers=600, seed=seed)
+    rng = random.Random(seed)
+    sizes = rng.sample(range(10 * 2**30), len(snap.scores))  # distinct: a single optimum
+    snap = dataclasses.replace(snap, scores=dict(zip(snap.scores, sizes, strict=True)))
+    cheap, asked = cheapest_only(snap, keep=16)
+
+    assert plan(cheap) == plan(snap)
+    assert asked  # some members ran out of their cheapest seats and were read in full
+    assert sum(map(len, asked)) < len({m.key for c in snap.clusters for m in c.members})
 
 
 def test_an_empty_pass_plans_nothing():

@@ -101,7 +101,15 @@ class JobScore(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["worker", "job_id"], name="idx-job_score-worker-job"),
         ]
-        indexes = [models.Index(fields=["job_id"], name="idx-job_score-job")]
+        indexes = [
+            # The dispatch pass reads each member job's cheapest answered scores in order,
+            # from the index alone.
+            models.Index(
+                fields=["job_id", "missing_nar_size", "worker"],
+                condition=models.Q(missing_nar_size__isnull=False),
+                name="idx-job_score-job-size",
+            )
+        ]
 
     def __str__(self):
         return f"{self.job_id} on {self.worker_id}"
