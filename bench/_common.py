@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench"
 DOC = ROOT / "docs" / "benchmarks.md"
+LISTEN_BACKLOG = 1024
 
 
 def setup(database_url: str, redis_db: int) -> None:
@@ -149,12 +150,11 @@ class Processes:
 
     @staticmethod
     def daphne_args(port: int) -> tuple[str, ...]:
+        # The README's command: a listen backlog for a fleet that reconnects all at once.
         return (
             str(VENV_BIN / "daphne"),
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
+            "-e",
+            f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
             "gradient.asgi:application",
         )
 
@@ -279,3 +279,18 @@ def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def raise_open_files(workers: int) -> int:
+    """Each worker of an in-process fleet holds a socket here and one in daphne (a child: it
+    inherits the limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * workers + 1024
+    if soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft < wanted:
+        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
+    return soft

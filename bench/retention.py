@@ -1,6 +1,6 @@
 """Retention pass: 100,000 finished cluster jobs past the cutoff beside 100 active ones.
 
-    .venv/bin/python bench/retention.py [--repeat N]
+    .venv/bin/python bench/retention.py [--repeat N] [--write docs/benchmarks.md]
 
 Every repetition rebuilds the rows with raw SQL (untimed): 100,000 finished clusters past the
 cutoff (every 100th with a member, a finished attempt and its dispatched_job row), 100 active
@@ -13,6 +13,7 @@ migrated when missing, and emptied at the start of every repetition.
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -21,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 FINISHED, ACTIVE, YOUNG = 100_000, 100, 100
+SECTION = "## Retention pass"
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_retention"
 
 # One statement per group of clusters: the clusters, then for every `every`-th of them an
@@ -95,7 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--database-url", default=DATABASE_URL)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
+    command = shlex.join([".venv/bin/python", "bench/retention.py", *sys.argv[1:]])
 
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
     # Never an ambient DATABASE_URL: every repetition empties the database.
@@ -119,7 +123,10 @@ def main() -> None:
             c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     call_command("migrate", verbosity=0)
 
+    from bench import _common as common
+
     days = settings.GRADIENT["RETENTION_DAYS"]
+    load_before = common.load()
     times = []
     for _ in range(args.repeat):
         now = timezone.now()
@@ -135,6 +142,33 @@ def main() -> None:
         assert deleted == FINISHED, deleted
         print(f"deleted {deleted} (batches of {BATCH}) in {times[-1]:.2f} s", flush=True)
     print(f"median {statistics.median(times):.2f} s over {len(times)} runs")
+    if args.write:
+        load = f"{load_before} at the start, {common.load()} at the end"
+        common.write_section(args.write, SECTION, section(command, times, BATCH, load))
+
+
+def section(command: str, times: list[float], batch: int, load: str) -> str:
+    from bench import _common as common
+
+    row = [
+        f"{FINISHED:,}",
+        f"{ACTIVE + YOUNG:,}",
+        len(times),
+        f"{statistics.median(times):.2f}",
+        f"{min(times):.2f} to {max(times):.2f}",
+    ]
+    return (
+        f"{SECTION}\n\n"
+        f"The hourly retention pass deleting {FINISHED:,} finished clusters past the cutoff"
+        f" (some with members and attempts) while {ACTIVE} active and {YOUNG} young finished"
+        f" ones stay, in batches of {batch:,} (see `bench/retention.py`). Only"
+        " `run_retention()` is timed; the rows are rebuilt before every run.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        f" (load average {load})\n\n"
+        + common.table(["clusters deleted", "kept", "runs", "median s", "range s"], [row])
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

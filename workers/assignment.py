@@ -5,12 +5,13 @@ their cluster (clusters.tracking). Nothing to give records an idle slot, the pla
 of free capacity.
 """
 
+import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.reservation import is_reserved
 from clusters.tracking import active_member_sql
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
@@ -25,10 +26,15 @@ BUILD_STEPS = ["build"]
 CANDIDATES = 20  # claims lost to rivals fall through to the next candidate
 
 # Jobs of one kind this worker may take, best first: prioritized, least to fetch (a job never
-# scored counts as the most expensive), oldest. The {placeholders} are fixed SQL fragments.
+# scored counts as the most expensive), oldest. With each, what its claim, its AssignJob and
+# its JobOffer need, so none of them reads the job again. The {placeholders} are fixed SQL
+# fragments.
 CANDIDATES_SQL = """
-SELECT j.id, j.status, {substitute} AS substitute
+SELECT j.id, j.status, {substitute} AS substitute,
+       j.project_id, p.name, j.architecture, j.required_features, j.paths,
+       s.worker_id IS NOT NULL AS offered
 FROM {table} j
+JOIN project p ON p.id = j.project_id
 LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text
 WHERE j.status = ANY(%(statuses)s)
   AND j.architecture = ANY(%(architectures)s)
@@ -41,6 +47,20 @@ WHERE j.status = ANY(%(statuses)s)
 ORDER BY j.prioritized DESC, s.missing_nar_size ASC NULLS LAST, j.created_at ASC
 LIMIT %(limit)s
 """
+
+
+class Candidate(NamedTuple):
+    """A row of CANDIDATES_SQL."""
+
+    id: uuid.UUID
+    status: str
+    substitute: bool
+    project_id: int
+    project: str
+    architecture: str
+    required_features: list[str]
+    paths: list[str]
+    offered: bool  # this worker was offered the job already (it has a job_score row)
 
 
 @dataclass(frozen=True)
@@ -71,7 +91,7 @@ def offerable(worker: Worker, kind: str) -> Offerable | None:
 
 
 def candidates(worker: Worker, how: Offerable, *, members=False, limit=CANDIDATES) -> list:
-    """(id, status, substitute) of the jobs this worker may take, best first. With `members`,
+    """The jobs (Candidate rows, the id first) this worker may take, best first. With `members`,
     cluster members are included (to be offered for scoring, never to be assigned here),
     except to a fetch-only worker: a member evaluation always runs as one job."""
     is_build = how.kind == JobKind.BUILD
@@ -96,49 +116,24 @@ def candidates(worker: Worker, how: Offerable, *, members=False, limit=CANDIDATE
                 "limit": limit,
             },
         )
-        return cursor.fetchall()
+        return [Candidate._make(row) for row in cursor.fetchall()]
 
 
-def open_count(worker_id: int, kind: str) -> int:
-    """Assignments a worker holds of one kind; held cluster members count against its slots."""
-    from gradient.jobs.models import DispatchedJob
-
-    return DispatchedJob.objects.filter(
-        worker_id=worker_id, kind=kind, finished_at__isnull=True
-    ).count()
-
-
-def is_full(worker: Worker, kind: str) -> bool:
-    limit = worker.max_concurrent_builds if kind == JobKind.BUILD else worker.max_concurrent_evals
-    return open_count(worker.pk, kind) >= limit
-
-
-def _claim_one(worker: Worker, how: Offerable, job_id, status, substitute) -> Assignment | None:
+def _claim_one(worker: Worker, how: Offerable, job: Candidate) -> Assignment | None:
     assignment = Assignment(
-        gate=ClaimGate(how.kind, job_id, substitute),
+        gate=ClaimGate(how.kind, job.id, job.substitute),
         worker_id=worker.pk,
-        project_id=0,  # set below from the job row inside the transaction
-        steps=how.steps_for[status],
+        project_id=job.project_id,
+        steps=how.steps_for[job.status],
     )
     with transaction.atomic(durable=True):
-        model = _model(how.kind)
-        job = model.objects.filter(pk=job_id).values("project_id").first()
-        if job is None:
-            return None
-        assignment.project_id = job["project_id"]
         if not claim_assignment(assignment):
             return None
-        if not _assigned_transition(how.kind, job_id, status, assignment.steps):
+        if not _assigned_transition(how.kind, job.id, job.status, assignment.steps):
             transaction.set_rollback(True)
             return None
         IdleSlot.objects.filter(worker=worker, kind=how.kind).delete()
     return assignment
-
-
-def _model(kind):
-    from gradient.jobs.models import DerivationBuild, Evaluation
-
-    return DerivationBuild if kind == JobKind.BUILD else Evaluation
 
 
 def _assigned_transition(kind, job_id, status, steps) -> bool:
@@ -148,10 +143,17 @@ def _assigned_transition(kind, job_id, status, steps) -> bool:
     return advance_evaluation(job_id, to, {status})
 
 
+# One statement, outside any transaction: update_or_create would take four round trips
+# (BEGIN, SELECT ... FOR UPDATE, the write, COMMIT) on every unanswered RequestJob.
+RECORD_IDLE_SQL = """
+INSERT INTO idle_slot (worker_id, kind, recorded_at) VALUES (%s, %s, %s)
+ON CONFLICT (worker_id, kind) DO UPDATE SET recorded_at = EXCLUDED.recorded_at
+"""
+
+
 def record_idle(worker_id: int, kind: str) -> None:
-    IdleSlot.objects.update_or_create(
-        worker_id=worker_id, kind=kind, defaults={"recorded_at": timezone.now()}
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(RECORD_IDLE_SQL, [worker_id, kind, timezone.now()])
 
 
 def clear_idle(worker_id: int, kind: str | None = None) -> None:
@@ -161,45 +163,71 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
     slots.delete()
 
 
-def request_job(worker_id: int, kind: str) -> AssignJob | None:
+# The worker with what a RequestJob of one kind asks of its state: its open assignments of the
+# kind (held cluster members count against its slots) and whether that slot is reserved for a
+# cluster (clusters.reservation.is_reserved). Written out: as an ORM query, compiling it cost
+# daphne more than PostgreSQL spent running it.
+LOAD_WORKER_SQL = """
+SELECT {columns},
+       (SELECT count(*) FROM dispatched_job d
+        WHERE d.worker_id = w.id AND d.kind = %(kind)s AND d.finished_at IS NULL),
+       EXISTS (SELECT 1 FROM reservation_seat s
+               JOIN cluster_reservation r ON r.id = s.reservation_id
+               WHERE s.worker_id = w.id AND s.kind = %(kind)s AND r.released_at IS NULL)
+FROM worker w WHERE w.id = %(worker)s
+"""
+WORKER_FIELDS = [f.attname for f in Worker._meta.concrete_fields]
+
+
+def load_worker(worker_id: int, kind: str) -> Worker:
+    """The worker's row, with `open_count` and `reserved` for a RequestJob of this kind."""
+    sql = LOAD_WORKER_SQL.format(columns=", ".join(f"w.{name}" for name in WORKER_FIELDS))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {"worker": worker_id, "kind": kind})
+        row = cursor.fetchone()
+    if row is None:
+        raise Worker.DoesNotExist(worker_id)
+    worker = Worker.from_db(connection.alias, WORKER_FIELDS, row[:-2])
+    worker.open_count, worker.reserved = row[-2:]
+    return worker
+
+
+def request_job(worker_id: int, kind: str, worker: Worker | None = None) -> AssignJob | None:
     """Answer a RequestJob: an AssignJob for the best job this worker can take now, or None
-    after recording an idle slot (none when the worker is full, draining or cannot serve)."""
-    worker = Worker.objects.get(pk=worker_id)
+    after recording an idle slot (none when the worker is full, draining or cannot serve).
+    `worker`, when given, comes from load_worker(worker_id, kind)."""
+    worker = worker or load_worker(worker_id, kind)
     how = offerable(worker, kind)
-    if how is None or worker.draining or is_full(worker, kind):
+    limit = worker.max_concurrent_builds if kind == JobKind.BUILD else worker.max_concurrent_evals
+    if how is None or worker.draining or worker.open_count >= limit:
         clear_idle(worker_id, kind)
         return None
-    if is_reserved(worker_id, kind):
+    if worker.reserved:
         # A reserved seat: no new single job of this kind, and its idle slot is what lets
         # the reservation commit.
         record_idle(worker_id, kind)
         return None
-    for job_id, status, substitute in candidates(worker, how):
-        assignment = _claim_one(worker, how, job_id, status, substitute)
+    for job in candidates(worker, how):
+        assignment = _claim_one(worker, how, job)
         if assignment is not None:
-            return assign_frame(assignment)
+            return assign_frame(assignment, job)
     record_idle(worker_id, kind)
     return None
 
 
-def assign_frame(assignment: Assignment, cluster=None) -> AssignJob:
-    from gradient.jobs.models import Project
-
+def assign_frame(assignment: Assignment, job: Candidate) -> AssignJob:
     gate = assignment.gate
-    job = _model(gate.kind).objects.values("architecture", "required_features").get(pk=gate.job)
-    project = Project.objects.values_list("name", flat=True).get(pk=assignment.project_id)
     is_eval = gate.kind == JobKind.EVAL
     return AssignJob(
         job_id=gate.key,
         assignment_id=str(assignment.id),
         job=JobSpec(
             kind=gate.kind,
-            project=project,
+            project=job.project,
             evaluation=str(gate.job) if is_eval else None,
             build=None if is_eval else str(gate.job),
-            architecture=job["architecture"],
-            required_features=job["required_features"],
+            architecture=job.architecture,
+            required_features=job.required_features,
             steps=assignment.steps,
         ),
-        cluster=cluster,
     )

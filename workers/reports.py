@@ -8,7 +8,7 @@ member's report only finishes its row: its job's transition waits for the attemp
 import uuid
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.coordinator import member_accepted, member_rejected
@@ -22,7 +22,12 @@ from gradient.jobs.models import (
     EvaluationStatus,
     JobKind,
 )
-from gradient.jobs.transitions import advance_build, advance_evaluation
+from gradient.jobs.transitions import (
+    BUILD_SOURCES,
+    EVALUATION_SOURCES,
+    advance_build,
+    advance_evaluation,
+)
 from workers.assignment import FETCH_STEPS
 
 # Failure kinds after which the same job may succeed on another try.
@@ -61,14 +66,56 @@ def _is_member(assignment_id: str) -> bool:
     return DispatchedJob.objects.filter(pk=pk, cluster_attempt__isnull=False).exists()
 
 
+# A single job's JobCompleted in one statement (one round trip, atomic on its own): finish
+# its open row and move its job (a build or an evaluation to Completed) from the sources the
+# guarded transitions allow. A fetch-only job leaves its evaluation Fetching. Whether the
+# assignment is a cluster member's comes back with it, so a member's report costs no extra
+# query.
+COMPLETE_SINGLE_SQL = """
+WITH done AS (
+    UPDATE dispatched_job SET finished_at = %(now)s, outcome = %(outcome)s
+    WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s
+      AND finished_at IS NULL AND cluster_attempt_id IS NULL
+    RETURNING steps, evaluation_id, derivation_build_id
+), builds AS (
+    UPDATE derivation_build SET status = %(build_to)s
+    WHERE id IN (SELECT derivation_build_id FROM done) AND status = ANY(%(build_from)s)
+), evaluations AS (
+    UPDATE evaluation SET status = %(eval_to)s
+    WHERE id IN (SELECT evaluation_id FROM done WHERE steps::text[] <> %(fetch_only)s::text[])
+      AND status = ANY(%(eval_from)s)
+)
+SELECT EXISTS (SELECT 1 FROM done),
+       EXISTS (SELECT 1 FROM dispatched_job WHERE id = %(id)s AND cluster_attempt_id IS NOT NULL)
+"""
+
+
 def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
-    if _is_member(assignment_id):
+    try:
+        pk = uuid.UUID(assignment_id)
+    except ValueError:
+        raise NotAllowed(f"no assignment {assignment_id!r}") from None
+    params = {
+        "now": timezone.now(),
+        "outcome": DispatchedOutcome.COMPLETED.value,
+        "id": pk,
+        "worker": worker_id,
+        "job": job_id,
+        "build_to": BuildStatus.COMPLETED.value,
+        "build_from": sorted(BUILD_SOURCES[BuildStatus.COMPLETED]),
+        "eval_to": EvaluationStatus.COMPLETED.value,
+        "eval_from": sorted(EVALUATION_SOURCES[EvaluationStatus.COMPLETED]),
+        "fetch_only": FETCH_STEPS,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(COMPLETE_SINGLE_SQL, params)
+        finished, is_member = cursor.fetchone()
+    if finished:
+        return
+    if is_member:
         member_report(worker_id, job_id, assignment_id, DispatchedOutcome.COMPLETED)
         return
-    with transaction.atomic(durable=True):
-        row = _open_row(worker_id, job_id, assignment_id)
-        _finish(row, DispatchedOutcome.COMPLETED)
-        _complete_single(row)
+    raise NotAllowed(f"{job_id} is not held by this worker under {assignment_id}")
 
 
 def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> None:
@@ -81,14 +128,6 @@ def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> No
         row.failure_kind = kind
         row.save(update_fields=["failure_kind"])
         _fail_single(row, kind)
-
-
-def _complete_single(row: DispatchedJob) -> None:
-    if row.kind == JobKind.BUILD:
-        advance_build(row.derivation_build_id, BuildStatus.COMPLETED)
-    elif row.steps != FETCH_STEPS:
-        advance_evaluation(row.evaluation_id, EvaluationStatus.COMPLETED)
-    # A fetch-only job leaves its evaluation Fetching: the follow-up job evaluates it.
 
 
 def attempts_left(row: DispatchedJob) -> bool:
@@ -130,14 +169,16 @@ def release_single(rows) -> None:
 
 def job_accepted(worker_id: int, job_id: str) -> None:
     """A single job needs nothing more; a member's acceptance may start its attempt."""
-    if DispatchedJob.objects.filter(
-        worker_id=worker_id, job_id=job_id, finished_at__isnull=True, cluster_attempt__isnull=False
-    ).exists():
-        member_accepted(worker_id, job_id)
-    elif not DispatchedJob.objects.filter(
-        worker_id=worker_id, job_id=job_id, finished_at__isnull=True
-    ).exists():
+    # One query tells a member's row from a single's (and from none).
+    held = (
+        DispatchedJob.objects.filter(worker_id=worker_id, job_id=job_id, finished_at__isnull=True)
+        .values_list("cluster_attempt_id")
+        .first()
+    )
+    if held is None:
         raise NotAllowed(f"{job_id} was not assigned to this worker")
+    if held[0] is not None:
+        member_accepted(worker_id, job_id)
 
 
 def job_rejected(worker_id: int, job_id: str, reason: str | None = None) -> None:

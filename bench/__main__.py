@@ -1,0 +1,63 @@
+"""Runs the benchmarks one after another, each writing its section of docs/benchmarks.md.
+
+    bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
+
+NAME is any of: claim, dispatch-pass, gang-start, throughput, storm, retention (default: all,
+in that order). Each runs as its own process (`.venv/bin/python bench/<script>.py ...
+--write DOC`), with the command that its section then quotes; a failing one is reported and
+the rest still run. Exits non-zero when any failed. The machine should be quiet: the figures
+move with the load average, which each section records.
+"""
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = ".venv/bin/python"
+
+# name -> the script and its arguments (before --write).
+BENCHES = {
+    "claim": ["bench/claim.py"],
+    "dispatch-pass": ["bench/dispatch.py", "--only", "pass"],
+    "gang-start": ["bench/dispatch.py", "--only", "gang"],
+    "throughput": ["bench/throughput.py"],
+    "storm": ["bench/storm.py"],
+    "retention": ["bench/retention.py"],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="bench/run", description=__doc__.splitlines()[0], epilog=", ".join(BENCHES)
+    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run")
+    parser.add_argument("--doc", default="docs/benchmarks.md", help="the markdown file to update")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = parser.parse_args()
+    unknown = [n for n in args.names if n not in BENCHES]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHES)}")
+    names = args.names or list(BENCHES)
+    failed = []
+    for name in names:
+        command = [PYTHON, *BENCHES[name], "--write", args.doc]
+        print(f"== {name}: {shlex.join(command)}", flush=True)
+        if args.dry_run:
+            continue
+        began = time.monotonic()
+        code = subprocess.run(command, cwd=ROOT).returncode
+        took = time.monotonic() - began
+        print(f"== {name}: exit {code} after {took:.0f} s", flush=True)
+        if code != 0:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

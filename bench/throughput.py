@@ -1,0 +1,510 @@
+"""Sustained throughput on the real stack: reference workers running short jobs, singles and
+clusters mixed, with the queue kept full; how many starts per second, at 100 to 500 workers.
+
+    .venv/bin/python bench/throughput.py [--fleets 100,200,300,400,500] [--warmup S]
+                                         [--window S] [--write docs/benchmarks.md]
+
+For each fleet size: a fresh bench database and Redis database 11, one daphne, a Celery worker
+(-c 2) and beat as subprocesses (like the gang-start bench), and the fleet (SimulatedWorker
+over real WebSockets) in this process. A share of the workers (--single-share) may take jobs
+of the singles project only, the rest those of the clusters project only: on one project, a
+queue kept full of single jobs would leave no idle slot for a cluster to be placed on (a
+member is seated only on a worker that asked for a job and got none). A feeder thread keeps
+both queues full, ahead of demand, through the project's own submission functions
+(create_jobs, submit_cluster): evaluations and builds, and clusters of 2 to 4 members.
+
+Counted in the workers' process: a member start is a StartCluster received for a held member,
+a single start an AssignJob of a single job (the worker runs it at once). Rates are over the
+steady window that follows the warm-up. Failures: the workers' JobFailed and refusals, the
+assignments that ended Failed or Abandoned and the attempts that ended PrepareFailed (from the
+database), Error frames the workers got, and consumers or tasks that crashed (daphne's and
+Celery's logs).
+
+It uses its own database (--database, default gradient_throughput; created and migrated when
+missing, emptied before each fleet size) and Redis database 11.
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 11
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_throughput"
+SECTION = "## Sustained throughput"
+TARGET_MEMBER_STARTS = 200.0  # per second, at the largest fleet
+SINGLES, CLUSTERS = "tp-singles", "tp-clusters"
+
+
+class Tally:
+    """Starts and other events counted per kind, with the time of each start, across every
+    worker of the fleet (one event loop: no lock needed for the workers; the feeder only
+    reads)."""
+
+    def __init__(self):
+        self.starts: dict[str, list[float]] = {"member": [], "single": []}
+        self.events: Counter = Counter()
+
+    def between(self, kind: str, since: float, until: float) -> int:
+        return sum(since <= t < until for t in self.starts[kind])
+
+
+def counting_worker_class(tally: Tally):
+    from workers.simulator import SimulatedWorker
+
+    class CountingWorker(SimulatedWorker):
+        def _start(self, job):
+            super()._start(job)
+            self_kind = "member" if job.attempt is not None else "single"
+            tally.starts[self_kind].append(time.monotonic())
+
+        def _record(self, event: str, **fields):
+            # Only counted: the fleet's own CPU is the bench's too, and a dict and a
+            # timestamp per event for 500 workers add up.
+            tally.events[event] += 1
+            if event == "error":
+                self.errors.append(fields)
+
+    return CountingWorker
+
+
+def make_workers(count: int, single_share: float) -> list[tuple[str, str, str]]:
+    """(name, token, project) for each worker: a project of its own kind of work."""
+    from gradient.jobs.models import Project
+    from workers.models import Worker, hash_token
+
+    singles = Project.objects.create(name=SINGLES)
+    clusters = Project.objects.create(name=CLUSTERS)
+    n_single = max(1, round(count * single_share))
+    rows = []
+    for i in range(count):
+        project = SINGLES if i < n_single else CLUSTERS
+        rows.append((f"tp-{i:04d}", f"tp-token-{i}", project))
+    made = Worker.objects.bulk_create(
+        Worker(name=n, token_hash=hash_token(t), all_projects=False) for n, t, _ in rows
+    )
+    through = Worker.projects.through
+    through.objects.bulk_create(
+        through(worker_id=w.pk, project_id=(singles if p == SINGLES else clusters).pk)
+        for w, (_, _, p) in zip(made, rows, strict=True)
+    )
+    return rows
+
+
+class Feeder:
+    """Keeps both queues full from a thread: every tick, tops the queued single jobs and the
+    queued clusters up to their targets. Records the smallest queue it saw in the window."""
+
+    TICK = 0.25
+
+    def __init__(self, single_target: int, cluster_target: int, seed: int = 7):
+        self.single_target, self.cluster_target = single_target, cluster_target
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.submitted = Counter()
+        self.low = {"singles": None, "clusters": None}  # smallest queue seen while measuring
+        self.measuring = False
+        self.error: BaseException | None = None
+
+    def queued(self) -> tuple[int, int]:
+        from clusters.models import ClusterJob, ClusterStatus
+        from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, EvaluationStatus
+
+        evals = Evaluation.objects.filter(project__name=SINGLES, status=EvaluationStatus.QUEUED)
+        builds = DerivationBuild.objects.filter(project__name=SINGLES, status=BuildStatus.QUEUED)
+        singles = evals.count() + builds.count()
+        clusters = ClusterJob.objects.filter(
+            project__name=CLUSTERS, status=ClusterStatus.QUEUED
+        ).count()
+        return singles, clusters
+
+    def top_up(self) -> None:
+        from django.db import transaction
+
+        from clusters.submission import MemberSpec, submit_cluster
+        from gradient.jobs.models import Project
+        from gradient.jobs.submission import JobSpec, create_jobs
+
+        singles, clusters = self.queued()
+        if self.measuring:
+            for name, n in (("singles", singles), ("clusters", clusters)):
+                if self.low[name] is None or n < self.low[name]:
+                    self.low[name] = n
+        missing = self.single_target - singles
+        if missing > 0:
+            specs = [JobSpec(kind=self.rng.choice(("eval", "build"))) for _ in range(missing)]
+            with transaction.atomic(durable=True):
+                create_jobs(Project.objects.get(name=SINGLES), specs)
+            self.submitted["singles"] += missing
+        for _ in range(self.cluster_target - clusters):
+            k = self.rng.randint(2, 4)
+            members = [
+                MemberSpec(role="node", job=JobSpec(kind=self.rng.choice(("eval", "build"))))
+                for _ in range(k)
+            ]
+            submit_cluster(CLUSTERS, members)
+            self.submitted["clusters"] += 1
+            self.submitted["members"] += k
+
+    def run(self) -> None:
+        from django.db import connection
+
+        try:
+            while not self.stop.is_set():
+                began = time.monotonic()
+                self.top_up()
+                self.stop.wait(max(0.0, self.TICK - (time.monotonic() - began)))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connection.close()
+
+
+def cpu_secs(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds of a process and its live descendants (Celery's pool)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{pid}/task").iterdir() if children else ():
+            for child in (task / "children").read_text().split():
+                total += cpu_secs(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return total
+
+
+def database_backends() -> list[int]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+class CpuMeter:
+    """CPU seconds spent by each part of the stack between start() and stop(): where the
+    time goes. PostgreSQL is its backends serving the bench database (a backend that closed
+    before stop() is missed). Both are called in a thread: they query the database."""
+
+    def __init__(self, procs: common.Processes):
+        self.pids = {"daphne": [], "celery": []}
+        for proc, _ in procs.procs:
+            self.pids["daphne" if "daphne" in proc.args[0] else "celery"].append(proc.pid)
+
+    def _sample(self, backends) -> dict:
+        out = {name: sum(map(cpu_secs, pids)) for name, pids in self.pids.items()}
+        # This process alone (daphne and Celery are its children), with the feeder thread.
+        out["fleet"] = cpu_secs(os.getpid(), children=False)
+        out["backends"] = {pid: cpu_secs(pid) for pid in backends}
+        return out
+
+    def start(self) -> None:
+        from django.db import connection
+
+        self.began = self._sample(database_backends())
+        connection.close()
+
+    def stop(self) -> dict[str, float]:
+        from django.db import connection
+
+        before = self.began
+        now = self._sample(set(database_backends()) | set(before["backends"]))
+        connection.close()
+        spent = {name: now[name] - before[name] for name in (*self.pids, "fleet")}
+        spent["postgres"] = sum(
+            max(0.0, secs - before["backends"].get(pid, 0.0))
+            for pid, secs in now["backends"].items()
+        )
+        return spent
+
+
+def analyze() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {', '.join(common.project_tables())}")
+    connection.close()
+
+
+def outcomes() -> dict:
+    from django.db import connection
+    from django.db.models import Count
+
+    from clusters.models import ClusterAttempt
+    from gradient.jobs.models import DispatchedJob
+
+    jobs = dict(
+        DispatchedJob.objects.exclude(outcome__isnull=True)
+        .values_list("outcome")
+        .annotate(n=Count("id"))
+    )
+    attempts = dict(
+        ClusterAttempt.objects.exclude(outcome__isnull=True)
+        .values_list("outcome")
+        .annotate(n=Count("id"))
+    )
+    connection.close()
+    return {"jobs": jobs, "attempts": attempts}
+
+
+async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
+    from workers.simulator import WorkerConfig
+
+    tally = Tally()
+    worker_class = counting_worker_class(tally)
+    config = WorkerConfig(job_secs=(args.job_min, args.job_max), max_events=10)
+    workers = [worker_class(n, t, config, url) for n, t, _ in rows]
+
+    async def launch(i, w):
+        await asyncio.sleep(args.ramp * i / len(workers))
+        await w.run()
+
+    tasks = [asyncio.create_task(launch(i, w)) for i, w in enumerate(workers)]
+    feeding = threading.Thread(target=feeder.run, name="feeder")
+    feeding.start()
+    try:
+        began = time.monotonic()
+        # An overloaded stack may never have every worker connected at once: measured
+        # anyway after the timeout, with how many were (in the table).
+        while sum(w.connected for w in workers) < len(workers):
+            if time.monotonic() - began > args.connect_timeout:
+                break
+            await asyncio.sleep(0.1)
+        connected_after = time.monotonic() - began
+        # Statistics, as autovacuum keeps them on a database in use: this one was emptied
+        # moments ago, and with row estimates of 1 PostgreSQL plans the candidates' anti-join
+        # on dispatched_job as a scan of every open row per job (50 ms instead of 1).
+        await asyncio.to_thread(analyze)
+        await asyncio.sleep(args.warmup / 2)
+        await asyncio.to_thread(analyze)
+        await asyncio.sleep(args.warmup / 2)
+        feeder.measuring = True
+        connected = sum(w.connected for w in workers)
+        await asyncio.to_thread(meter.start)
+        since = time.monotonic()
+        before = dict(tally.events)
+        await asyncio.sleep(args.window)
+        until = time.monotonic()
+        cpu = await asyncio.to_thread(meter.stop)
+        feeder.measuring = False
+        # Before the fleet stops: its disconnects abandon whatever the workers hold.
+        ended = await asyncio.to_thread(outcomes)
+        during = {k: tally.events[k] - before.get(k, 0) for k in tally.events}
+    finally:
+        feeder.stop.set()
+        await asyncio.to_thread(feeding.join)
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await asyncio.wait(tasks, timeout=5)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if feeder.error is not None:
+        raise feeder.error
+    secs = until - since
+    members = tally.between("member", since, until)
+    singles = tally.between("single", since, until)
+    errors = Counter(e.get("code") for w in workers for e in w.errors)
+    return {
+        "workers": len(workers),
+        "connected_after": connected_after,
+        "connected": connected,
+        "window": secs,
+        "member_rate": members / secs,
+        "single_rate": singles / secs,
+        "members": members,
+        "singles": singles,
+        "failed": during.get("failed", 0),
+        "rejected": during.get("rejected", 0),
+        "released": during.get("released_hold", 0),
+        "errors": dict(errors),
+        "low": dict(feeder.low),
+        "cpu": cpu,
+        "outcomes": ended,
+    }
+
+
+def run_one(count: int, args) -> dict:
+    common.ensure_database()
+    rows = make_workers(count, args.single_share)
+    n_single = sum(p == SINGLES for _, _, p in rows)
+    n_cluster = count - n_single
+    # Ahead of demand: twice the single slots in queued single jobs, and enough queued clusters
+    # (3 members on average) to seat every cluster slot once more.
+    feeder = Feeder(single_target=4 * n_single + 20, cluster_target=(2 * n_cluster) // 3 + 10)
+    env = common.process_env()
+    common.flush_redis(env["REDIS_URL"])
+    logs = Path(tempfile.mkdtemp(prefix=f"bench-throughput-{count}-"))
+    procs = common.Processes(env, logs)
+    load_before = common.load()
+    try:
+        port = common.free_port()
+        procs.daphne(port)
+        procs.celery()
+        url = f"ws://127.0.0.1:{port}/proto"
+        result = asyncio.run(drive(url, rows, args, feeder, CpuMeter(procs)))
+        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
+        crashed = common.crashes(procs.log_text("daphne")) + common.crashes(
+            procs.log_text("celery-worker")
+        )
+        result["tracebacks"] = common.tracebacks(procs.log_text("daphne")) + common.tracebacks(
+            procs.log_text("celery-worker")
+        )
+    finally:
+        procs.stop()
+        common.flush_redis(env["REDIS_URL"])
+    result["load"] = f"{load_before} / {common.load()}"
+    result["crashes"] = crashed
+    result["single_workers"], result["cluster_workers"] = n_single, n_cluster
+    result["submitted"] = dict(feeder.submitted)
+    result["logs"] = str(logs)
+    print(
+        f"{count} workers: {result['member_rate']:.1f} member starts/s,"
+        f" {result['single_rate']:.1f} single starts/s over {result['window']:.1f} s"
+        f" (load {result['load']}); CPU s in the window: {cpu_text(result['cpu'])};"
+        f" {len(crashed)} crash line(s), logs in {logs}",
+        flush=True,
+    )
+    for line in crashed[:5]:
+        print("  " + line, flush=True)
+    return result
+
+
+def cpu_text(cpu: dict) -> str:
+    return ", ".join(f"{name} {secs:.1f}" for name, secs in cpu.items())
+
+
+HEADER = [
+    "workers (singles + clusters; connected at the window's start if not all)",
+    "member starts/s",
+    "single starts/s",
+    "total starts/s",
+    "jobs failed",
+    "prepares failed",
+    "smallest queue: singles, clusters",
+    "cores used: daphne, Celery, PostgreSQL, fleet",
+    "load average (start / end)",
+    "target",
+]
+
+
+def rows(results: list[dict]) -> list[list]:
+    out = []
+    largest = max(r["workers"] for r in results)
+    for r in results:
+        jobs, attempts = r["outcomes"]["jobs"], r["outcomes"]["attempts"]
+        target = ""
+        if r["workers"] == largest:
+            met = "✓" if r["member_rate"] >= TARGET_MEMBER_STARTS else "✗"
+            target = f"≥ {TARGET_MEMBER_STARTS:.0f} member starts/s {met}"
+        out.append(
+            [
+                f"{r['workers']:,} ({r['single_workers']} + {r['cluster_workers']})"
+                + ("" if r["connected"] == r["workers"] else f", {r['connected']} connected"),
+                f"{r['member_rate']:.1f}",
+                f"{r['single_rate']:.1f}",
+                f"{r['member_rate'] + r['single_rate']:.1f}",
+                jobs.get("Failed", 0),
+                attempts.get("PrepareFailed", 0),
+                f"{r['low']['singles']}, {r['low']['clusters']}",
+                ", ".join(
+                    f"{r['cpu'][k] / r['window']:.2f}"
+                    for k in ("daphne", "celery", "postgres", "fleet")
+                ),
+                r["load"],
+                target,
+            ]
+        )
+    return out
+
+
+def section(command: str, results: list[dict], args) -> str:
+    crashes = sum(len(r["crashes"]) for r in results)
+    tracebacks = sum(r["tracebacks"] for r in results)
+    abandoned = sum(r["outcomes"]["jobs"].get("Abandoned", 0) for r in results)
+    errors = Counter()
+    for r in results:
+        errors.update(r["errors"])
+    error_text = ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "none"
+    return (
+        f"{SECTION}\n\n"
+        "Reference workers (`SimulatedWorker`, real WebSockets, in the script's process) running"
+        f" short jobs ({args.job_min:g} to {args.job_max:g} s, one eval and one build slot"
+        " each) on the real stack: one daphne, one Celery worker (`-c 2`) and beat as"
+        " subprocesses, on a database and Redis database 11 of the bench's own, all started"
+        " afresh for each fleet size. A share of the workers"
+        f" ({args.single_share:.0%}) takes single jobs of one project, the rest cluster"
+        " members of another: a queue kept full of singles on one project would leave no idle"
+        " slot for any cluster to be placed on. A feeder thread keeps both queues full through"
+        " `create_jobs` and `submit_cluster` (evaluations and builds; clusters of 2 to 4"
+        " members), topped up every 0.25 s: the smallest queue seen during the window is in its"
+        " column. A member start is a StartCluster received for a held member, a single start"
+        " an AssignJob of a single job; rates are over a"
+        f" {args.window:g} s window after {args.warmup:g} s of warm-up (with an `ANALYZE`"
+        " at its start and middle: the database was emptied moments before, and until"
+        " autovacuum's first round PostgreSQL plans on row estimates of 1). Jobs failed are"
+        " assignments that ended Failed; prepares failed, attempts that ended PrepareFailed;"
+        " both, and the assignments abandoned (all sizes:"
+        f" {abandoned}), counted from the start to the end of the window. Error frames the"
+        f" workers got: {error_text}. Consumers or tasks that crashed (`Exception inside"
+        f" application` in daphne's log, `raised unexpected` in Celery's): {crashes};"
+        f" tracebacks of any kind there: {tracebacks}. Cores used: CPU seconds per second of"
+        " the window, read from `/proc` (daphne; the Celery worker, its pool and beat; the"
+        " PostgreSQL backends serving the bench database; this process, the fleet and the"
+        " feeder). Where the time goes: daphne's frames wait on PostgreSQL round trips, and"
+        " every new member job is offered to, scored by and recorded for each worker that may"
+        " take it (a JobOffer, a JobScores, a `job_score` row per pair); once a prepare takes"
+        " longer than the prepare timeout, attempts fail and their work is lost, so the rate"
+        " collapses rather than levels off."
+        f" Target: at least {TARGET_MEMBER_STARTS:.0f} member starts per second sustained with"
+        f" {max(r['workers'] for r in results)} workers.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        " (load average in the table)\n\n" + common.table(HEADER, rows(results)) + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=DATABASE_URL)
+    parser.add_argument("--fleets", default="100,200,300,400,500")
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the window")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    parser.add_argument("--ramp", type=float, default=5.0, help="seconds to connect the fleet")
+    parser.add_argument("--single-share", type=float, default=0.2)
+    parser.add_argument(
+        "--connect-timeout", type=float, default=180.0, help="seconds to wait for the fleet"
+    )
+    parser.add_argument("--job-min", type=float, default=0.5)
+    parser.add_argument("--job-max", type=float, default=1.5)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    fleets = [int(n) for n in args.fleets.split(",")]
+    command = shlex.join([".venv/bin/python", "bench/throughput.py", *sys.argv[1:]])
+    common.raise_open_files(max(fleets))
+    common.setup(args.database, REDIS_DB)
+    print(command, flush=True)
+    results = [run_one(n, args) for n in fleets]
+    print(common.table(HEADER, rows(results)), flush=True)
+    if args.write:
+        common.write_section(args.write, SECTION, section(command, results, args))
+    if any(r["crashes"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
