@@ -73,6 +73,10 @@ DATABASES["default"]["OPTIONS"].setdefault(
 # Sessions and passes query constantly: reuse connections rather than open one per call.
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=300)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Django's PostgreSQL backend, its health check (a round trip) skipped for a connection that
+# passed one less than a second ago (gradient/postgresql/base.py).
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -110,6 +114,9 @@ CHANNEL_LAYERS = {
                     # redis-py 8 reads with a 5 s timeout by default, the same as the layer's
                     # blocking pop: a quiet channel then fails its read. Give reads headroom.
                     "socket_timeout": 30,
+                    # Else the same 30 s: a session start waits on its group_add, and a Redis
+                    # starved of CPU (or gone) would hold every start that long.
+                    "socket_connect_timeout": 5,
                 }
             ],
         },

@@ -4,6 +4,8 @@ side is written elsewhere, so these tests play it themselves, frame by frame."""
 import asyncio
 import contextlib
 import json
+import time
+from dataclasses import replace
 
 import pytest
 from django.core.management import call_command
@@ -420,11 +422,26 @@ async def test_drain_stops_requests_and_gives_up_held_members():
 
 @pytest.mark.asyncio
 async def test_forbidden_handshake_stops_for_good():
+    config = replace(BUILDER, forbidden_retries=0)
     async with FakeServer(status=403) as server:
-        worker = SimulatedWorker("w", TOKEN, BUILDER, url=server.url)
+        worker = SimulatedWorker("w", TOKEN, config, url=server.url)
         await asyncio.wait_for(worker.run(), 3)
     assert worker.stopped_reason == "forbidden"
     assert server.handshakes == 1
+
+
+@pytest.mark.asyncio
+async def test_a_403_is_tried_again_a_few_times_after_a_long_wait():
+    """daphne answers 403 to a handshake not accepted in time too: an overloaded server must
+    not lose its workers for good."""
+    config = replace(BUILDER, forbidden_retries=2, forbidden_backoff=0.2)
+    async with FakeServer(status=403) as server:
+        worker = SimulatedWorker("w", TOKEN, config, url=server.url)
+        began = time.monotonic()
+        await asyncio.wait_for(worker.run(), 5)
+    assert worker.stopped_reason == "forbidden"
+    assert server.handshakes == 3
+    assert time.monotonic() - began > 0.15 + 0.3  # 0.2 then 0.4, each jittered by a quarter
 
 
 @pytest.mark.asyncio
@@ -553,7 +570,7 @@ async def test_fleet_counts_and_logs(tmp_path):
 @pytest.mark.asyncio
 async def test_fleet_run_ends_when_every_worker_stopped_for_good():
     async with FakeServer(status=403) as server:
-        fleet = Fleet([("sim-0", "t", BUILDER)], url=server.url)
+        fleet = Fleet([("sim-0", "t", replace(BUILDER, forbidden_retries=0))], url=server.url)
         await asyncio.wait_for(fleet.run(), 3)
     assert fleet.counters()["stopped"] == 1
 

@@ -3,8 +3,9 @@ offered. Every function is one short transaction the consumer calls from its han
 
 from datetime import timedelta
 
+from django.db import connection as db_connection
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from clusters.recovery import report_lost_members
@@ -18,12 +19,20 @@ OFFER_BATCH = 200
 TOUCH_EVERY = timedelta(seconds=5)
 
 
-def authenticate(token: str) -> Worker | None:
-    """The worker owning this token, unless unknown or revoked. Looked up by the token's hash:
-    the index compares hashes, so no secret-dependent comparison happens in Python."""
+def authenticate(token: str) -> tuple[int, str] | None:
+    """(id, name) of the worker owning this token, unless unknown or revoked. Looked up by the
+    token's hash: the index compares hashes, so no secret-dependent comparison happens in
+    Python."""
     if not token:
         return None
-    return Worker.objects.filter(token_hash=hash_token(token), revoked_at__isnull=True).first()
+    # Plain SQL: the ORM's compiling of this one lookup cost more than its round trip, and a
+    # reconnect storm makes a thousand of them at once.
+    with db_connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id, name FROM worker WHERE token_hash = %s AND revoked_at IS NULL",
+            [hash_token(token)],
+        )
+        return cursor.fetchone()
 
 
 def abandon_single_assignments(worker_id: int) -> int:
@@ -44,17 +53,47 @@ def abandon_single_assignments(worker_id: int) -> int:
     return len(rows)
 
 
+# A session start with nothing of an earlier session to settle, in one statement (its own
+# transaction): lock the worker's row, forget its offers (offers are per connection: a
+# reconnecting worker is offered everything again) and, when a session it replaces is on
+# record, that session's idle slots; then record this session as the live one. Nothing to
+# settle: no earlier session, or one that holds no open assignment (as after a server was
+# killed with idle workers). Else no row comes back and attach() takes the long way.
+QUIET_ATTACH_SQL = """
+WITH target AS (
+    SELECT id, channel_name FROM worker WHERE id = %(worker)s FOR UPDATE
+), quiet AS (
+    SELECT t.id, t.channel_name FROM target t
+    WHERE t.channel_name IS NULL OR NOT EXISTS (
+        SELECT 1 FROM dispatched_job d WHERE d.worker_id = t.id AND d.finished_at IS NULL)
+), slots AS (
+    DELETE FROM idle_slot s USING quiet q
+    WHERE s.worker_id = q.id AND q.channel_name IS NOT NULL
+), offers AS (
+    DELETE FROM job_score s USING quiet q WHERE s.worker_id = q.id
+)
+UPDATE worker w
+SET channel_name = %(channel)s, connected_at = %(now)s, last_seen_at = %(now)s, draining = false
+FROM quiet q WHERE w.id = q.id
+RETURNING q.channel_name
+"""
+
+
 def attach(worker_id: int, channel_name: str) -> str | None:
     """Record this session as the worker's live one; returns the channel of the session it
     replaces, whose work is treated as a disconnect here and now (so the old session's own
     disconnect, seeing it is no longer the live one, does nothing)."""
     now = timezone.now()
+    with db_connection.cursor() as cursor:
+        cursor.execute(QUIET_ATTACH_SQL, {"worker": worker_id, "channel": channel_name, "now": now})
+        row = cursor.fetchone()
+    if row is not None:
+        return row[0]
     with transaction.atomic(durable=True):
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         previous = worker.channel_name
         if previous is not None:
             abandon_single_assignments(worker_id)
-        # Offers are per connection: a reconnecting worker is offered everything again.
         JobScore.objects.filter(worker_id=worker_id).delete()
         Worker.objects.filter(pk=worker_id).update(
             channel_name=channel_name, connected_at=now, last_seen_at=now, draining=False
@@ -92,21 +131,39 @@ def touch(worker_id: int, channel_name: str) -> bool:
     ).exists()
 
 
-def record_capabilities(worker_id: int, caps: WorkerCapabilities) -> str:
-    Worker.objects.filter(pk=worker_id).update(
-        architectures=caps.architectures,
-        system_features=caps.system_features,
-        max_concurrent_builds=caps.max_concurrent_builds,
-        max_concurrent_evals=caps.max_concurrent_evals,
-        can_eval=caps.eval,
-        can_build=caps.build,
-        can_fetch=caps.fetch,
-        zone=caps.zone,
-        endpoint=caps.endpoint,
-    )
-    # New capabilities may change which jobs fit: offer afresh.
-    JobScore.objects.filter(worker_id=worker_id, scored_at__isnull=True).delete()
-    return Worker.objects.values_list("name", flat=True).get(pk=worker_id)
+# WorkerCapabilities in one statement: new capabilities may change which jobs fit, so the
+# offers not answered yet are forgotten (offered afresh); the row comes back whole, for
+# InitAck's name and the offer that follows.
+CAPABILITIES_SQL = """
+WITH unscored AS (
+    DELETE FROM job_score WHERE worker_id = %(worker)s AND scored_at IS NULL
+)
+UPDATE worker
+SET architectures = %(architectures)s, system_features = %(system_features)s,
+    max_concurrent_builds = %(max_builds)s, max_concurrent_evals = %(max_evals)s,
+    can_eval = %(eval)s, can_build = %(build)s, can_fetch = %(fetch)s,
+    zone = %(zone)s, endpoint = %(endpoint)s
+WHERE id = %(worker)s
+RETURNING *
+"""
+
+
+def record_capabilities(worker_id: int, caps: WorkerCapabilities) -> Worker:
+    params = {
+        "worker": worker_id,
+        "architectures": caps.architectures,
+        "system_features": caps.system_features,
+        "max_builds": caps.max_concurrent_builds,
+        "max_evals": caps.max_concurrent_evals,
+        "eval": caps.eval,
+        "build": caps.build,
+        "fetch": caps.fetch,
+        "zone": caps.zone,
+        "endpoint": caps.endpoint,
+    }
+    for worker in Worker.objects.raw(CAPABILITIES_SQL, params):
+        return worker
+    raise Worker.DoesNotExist(worker_id)
 
 
 def start_draining(worker_id: int) -> None:
@@ -115,40 +172,43 @@ def start_draining(worker_id: int) -> None:
         IdleSlot.objects.filter(worker_id=worker_id).delete()
 
 
-def new_offers(worker_id: int) -> JobOffer | None:
+def new_offers(worker_id: int, worker: Worker | None = None) -> JobOffer | None:
     """Jobs this worker could take that it has not been offered yet, cluster members among
-    them; remembered as offered so the next call sends only newer ones."""
-    from gradient.jobs.models import DerivationBuild, Evaluation, JobKind
+    them; remembered as offered so the next call sends only newer ones. A caller that has
+    the worker's row passes it (one query less per RequestJob)."""
+    from gradient.jobs.models import JobKind
 
-    worker = Worker.objects.get(pk=worker_id)
+    worker = worker or Worker.objects.get(pk=worker_id)
     if worker.draining:
         return None
-    offered = set(JobScore.objects.filter(worker_id=worker_id).values_list("job_id", flat=True))
     jobs = []
-    for kind, model in ((JobKind.EVAL, Evaluation), (JobKind.BUILD, DerivationBuild)):
+    for kind in (JobKind.EVAL, JobKind.BUILD):
         how = offerable(worker, kind)
         if how is None:
             continue
-        ids = [row[0] for row in candidates(worker, how, members=True, limit=OFFER_BATCH)]
-        fresh = [pk for pk in ids if f"{kind}:{pk}" not in offered]
-        for job in model.objects.filter(pk__in=fresh).annotate(project_name=F("project__name")):
-            jobs.append(
-                OfferedJob(
-                    job_id=f"{kind}:{job.pk}",
-                    kind=kind,
-                    project=job.project_name,
-                    architecture=job.architecture,
-                    required_features=job.required_features,
-                    paths=job.paths,
+        # Whether offered before comes with each candidate (not every job ever offered: a
+        # busy worker has thousands, on each RequestJob), and so does what the offer says.
+        for job in candidates(worker, how, members=True, limit=OFFER_BATCH):
+            if not job.offered:
+                jobs.append(
+                    OfferedJob(
+                        job_id=f"{kind}:{job.id}",
+                        kind=kind,
+                        project=job.project,
+                        architecture=job.architecture,
+                        required_features=job.required_features,
+                        paths=job.paths,
+                    )
                 )
-            )
     if not jobs:
         return None
-    now = timezone.now()
-    JobScore.objects.bulk_create(
-        [JobScore(worker_id=worker_id, job_id=j.job_id, offered_at=now) for j in jobs],
-        ignore_conflicts=True,
-    )
+    # One statement, no model instances: a fleet's offers write tens of thousands of rows.
+    with db_connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO job_score (worker_id, job_id, offered_at)"
+            " SELECT %s, unnest(%s::text[]), %s ON CONFLICT DO NOTHING",
+            [worker_id, [j.job_id for j in jobs], timezone.now()],
+        )
     return JobOffer(jobs=jobs)
 
 

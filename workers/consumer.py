@@ -3,16 +3,17 @@ reply. Transactions live in the services (run in a thread by database_sync_to_as
 across awaits; state lives in PostgreSQL, so any number of daphne processes can serve."""
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
-from django.db import connection as db_connection
 
 from clusters import coordinator
 from clusters.dispatch import wake_dispatch
@@ -73,30 +74,33 @@ class TokenBucket:
         return True
 
 
+# The frames' threads. A service spends most of its time waiting on PostgreSQL round trips,
+# with the GIL released; asyncio's default executor (cpu count + 4 threads: 6 on two cores)
+# left every session's frames queueing behind a few such waits, seconds apart under a busy
+# fleet while daphne's own CPU idled. Each thread keeps its database connection.
+FRAME_THREADS = 16
+_frames = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="frames")
+
+
 def db(fn):
     # Not thread-sensitive: sessions' services run side by side on the executor's threads
     # instead of queueing behind each other on one.
-    return database_sync_to_async(fn, thread_sensitive=False)
+    return database_sync_to_async(fn, thread_sensitive=False, executor=_frames)
 
 
-# The handshake's own threads. daphne drops a WebSocket not accepted within 5 s; in a connection
-# storm (every worker reconnecting after a restart) the sessions already open keep the shared
-# executor busy, and a handshake queued behind them would time out, and its worker retry,
-# adding to the storm. A thread keeps its database connection only while more handshakes
-# wait (a storm); otherwise it closes it, so idle threads hold no connection.
+# The session start's own threads (authenticate, attach, capabilities). daphne refuses a
+# WebSocket not accepted within 5 s (with a 403); in a connection storm (every worker
+# reconnecting after a restart) the sessions already open keep the frames' threads busy, and
+# a start queued behind them would time out, and its worker retry, adding to the storm. Each
+# thread keeps its database connection, like the frames' threads: closing it whenever no
+# start waited made every trickle of handshakes open new PostgreSQL connections (a backend
+# process each), the slowest part of a start.
 HANDSHAKE_THREADS = 4
 _handshakes = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="handshake")
 
 
 def handshake_db(fn):
-    def call(*args):
-        try:
-            return fn(*args)
-        finally:
-            if _handshakes._work_queue.empty():  # (ThreadPoolExecutor's own queue)
-                db_connection.close()
-
-    return database_sync_to_async(call, thread_sensitive=False, executor=_handshakes)
+    return database_sync_to_async(fn, thread_sensitive=False, executor=_handshakes)
 
 
 # Session starts under way at once, per event loop. With every worker accepted at once, a
@@ -104,21 +108,56 @@ def handshake_db(fn):
 # fail after its pool timeout; past this many, a start waits here instead, for as long as it
 # takes. Attach runs on the handshake threads anyway.
 SESSION_STARTS = 32
+# Starts first: while many sessions of this process are between their handshake and their
+# InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
+# up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
+# fewer handshakes outlast daphne's 5 s (a 403) or the worker's patience (a retry, more
+# load); the frames' work is the same, only later. A few starts at a time hold nothing back.
+STARTS_FIRST_SECS = 5.0
+STORM_STARTS = 8
+
+
+class Starts:
+    """The session starts of one event loop: the semaphore above, and how many are pending."""
+
+    def __init__(self):
+        self.gate = asyncio.Semaphore(SESSION_STARTS)
+        self.pending = 0
+        self.calm = asyncio.Event()
+        self.calm.set()
+
+    def begin(self):
+        self.pending += 1
+        if self.pending > STORM_STARTS:
+            self.calm.clear()
+
+    def end(self):
+        self.pending -= 1
+        if self.pending <= STORM_STARTS:
+            self.calm.set()
+
+    async def wait_for_calm(self):
+        if not self.calm.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.calm.wait(), STARTS_FIRST_SECS)
+
+
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def session_starts() -> asyncio.Semaphore:
+def session_starts() -> Starts:
     loop = asyncio.get_running_loop()
     if loop not in _starts:
-        _starts[loop] = asyncio.Semaphore(SESSION_STARTS)
+        _starts[loop] = Starts()
     return _starts[loop]
 
 
 def answer_request(worker_id: int, kind: str):
     """RequestJob: new offers first, then the job; with nothing to give, an idle slot was
     recorded and a cluster may now have its full placement, so the dispatch pass wakes."""
-    offer = connection.new_offers(worker_id)
-    assign = assignment.request_job(worker_id, kind)
+    worker = assignment.load_worker(worker_id, kind)
+    offer = connection.new_offers(worker_id, worker)
+    assign = assignment.request_job(worker_id, kind, worker)
     if assign is None:
         wake_dispatch()
     return offer, assign
@@ -127,12 +166,35 @@ def answer_request(worker_id: int, kind: str):
 class WorkerConsumer(AsyncWebsocketConsumer):
     worker_id: int | None = None
 
+    starting = False  # authenticated, InitAck not sent yet (see STARTS_FIRST_SECS)
+
+    def start_began(self):
+        # Counted for STARTS_FIRST_SECS at most: a worker that never sends its capabilities
+        # must not hold the other sessions' frames back for longer.
+        self.starting = True
+        starts = session_starts()
+        starts.begin()
+        asyncio.get_running_loop().call_later(STARTS_FIRST_SECS, self.start_ended, starts)
+
+    def start_ended(self, starts: "Starts | None" = None):
+        if self.starting:
+            self.starting = False
+            (starts or session_starts()).end()
+
     async def connect(self):
+        try:
+            await self.start()
+        except BaseException:
+            self.start_ended()
+            raise
+
+    async def start(self):
         worker = await handshake_db(connection.authenticate)(bearer_token(self.scope["headers"]))
         if worker is None:
             await self.close()  # before accept: the handshake is refused with 403
             return
-        self.worker_id, self.worker_name = worker.pk, worker.name
+        self.start_began()
+        self.worker_id, self.worker_name = worker
         self.ready = False
         self.live = True
         self.touched = 0.0  # set once attached: attach() is as good as a touch
@@ -143,9 +205,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # than daphne waits for a handshake (5 s) when every worker connects at once, and the
         # worker's frames wait until connect() returns, so none is handled before attach().
         await self.accept()
-        async with session_starts():
-            await self.channel_layer.group_add(worker_group(worker.pk), self.channel_name)
-            previous = await handshake_db(connection.attach)(worker.pk, self.channel_name)
+        async with session_starts().gate:
+            await self.join_group()
+            previous = await handshake_db(connection.attach)(self.worker_id, self.channel_name)
         self.touched = time.monotonic()
         if previous and previous != self.channel_name:
             try:
@@ -153,10 +215,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             except ChannelFull:
                 # Best effort, like every send: the old session, if still alive, sees that
                 # it is no longer the live one at its next liveness check and closes.
-                log.warning("could not tell the replaced session of worker %s", worker.name)
+                log.warning("could not tell the replaced session of worker %s", self.worker_name)
         log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
     async def disconnect(self, code):
+        self.start_ended()
         if self.worker_id is None:
             return
         await self.channel_layer.group_discard(worker_group(self.worker_id), self.channel_name)
@@ -169,7 +232,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             )
 
     async def reply(self, message: Message):
-        await self.send(text_data=message.frame())
+        await self.send_frame(message.frame())
+
+    async def send_frame(self, text: str):
+        # The worker may have gone while the frame was being made, before daphne noted the
+        # close: its websocket.disconnect follows (and detaches the session), so no crash.
+        with contextlib.suppress(Disconnected):
+            await self.send(text_data=text)
 
     async def error(self, code: str, text: str):
         await self.reply(Error(code=code, message=text))
@@ -190,6 +259,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         if not self.ready and not isinstance(message, WorkerCapabilities):
             await self.error("bad_message", "the first frame must be WorkerCapabilities")
             return
+        if self.ready and not self.starting:
+            await session_starts().wait_for_calm()
         if not await self.still_live():
             return
         handler = getattr(self, f"on_{type(message).__name__}")
@@ -206,33 +277,34 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return True
         self.touched = now
         if await db(connection.touch)(self.worker_id, self.channel_name):
-            await self.rejoin_group()
+            await self.join_group()
             return True
         await self.close(code=CLOSE_REVOKED)
         return False
 
-    async def rejoin_group(self):
-        """The worker's group lives in Redis, and the session outlives it: a Redis restart
-        empties every group, and channels-redis drops a member after its group_expiry (a day).
-        Either way the passes could no longer reach a live session. Joining again is
-        idempotent; a failure (Redis still down) is retried at the next touch."""
+    async def join_group(self):
+        """At the start, and again at every touch: the worker's group lives in Redis, and the
+        session outlives it: a Redis restart empties every group, and channels-redis drops a
+        member after its group_expiry (a day). Either way the passes could no longer reach a
+        live session. Joining again is idempotent; a failure (Redis down or too slow, as in a
+        storm on a starved machine) is retried at the next touch, and the session goes on:
+        Redis carries only wake-ups."""
         try:
             await self.channel_layer.group_add(worker_group(self.worker_id), self.channel_name)
         except Exception:
-            log.warning("worker %s could not rejoin its group", self.worker_name, exc_info=True)
+            log.warning("worker %s could not join its group", self.worker_name, exc_info=True)
 
     # Frames from the worker
 
     async def on_WorkerCapabilities(self, caps: WorkerCapabilities):
         # On the handshake's threads too: InitAck ends a worker's start, and must not queue
         # behind the offers and RequestJobs of the sessions already started.
-        name = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
+        worker = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
         self.ready = True
-        await self.reply(InitAck(worker=name))
-        await self.offer()
-
-    async def offer(self):
-        offer = await db(connection.new_offers)(self.worker_id)
+        await self.reply(InitAck(worker=worker.name))
+        self.start_ended()
+        # The row just written is what the offer reads: passed on, not read again.
+        offer = await db(connection.new_offers)(self.worker_id, worker)
         if offer is not None:
             await self.reply(offer)
 
@@ -280,7 +352,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def worker_send(self, event):
         """A pass (dispatch, coordinator) sends a frame to this worker."""
         if self.live:
-            await self.send(text_data=event["frame"])
+            await self.send_frame(event["frame"])
 
     async def worker_revoked(self, event):
         self.live = False

@@ -55,6 +55,12 @@ class WorkerConfig:
     answers_members: bool = True  # False: a hung worker, holding members without a word
     heartbeat_secs: float | None = None  # overrides InitAck's, so tests need not wait 10 s
     backoff: tuple[float, float] = (0.1, 2.0)  # reconnect delay: first, cap
+    # A 403 at the handshake is a refused token (protocol.md), but daphne also answers 403 to a
+    # handshake its application did not accept in time (an overloaded server). So a 403 is
+    # tried again this many times, after this long (doubling, jittered), before the worker
+    # stops for good; a revoked worker costs the server a few handshakes over minutes.
+    forbidden_retries: int = 3
+    forbidden_backoff: float = 30.0
     open_timeout: float = 10.0
     max_events: int | None = 1000  # events kept in memory (the log file keeps them all)
     seed: int | None = None  # with a seed, durations, failures and rejects are reproducible
@@ -165,6 +171,7 @@ class SimulatedWorker:
         self.completed = self.failed = self.rejected = 0
         self.connections = 0  # sessions that got an InitAck
         self.connected = False  # InitAck received on the live connection
+        self.forbidden = 0  # 403s at the handshake since the last session
         self.draining = False
         self.stopped_reason: str | None = None  # forbidden, replaced, stopped
         seed = self.config.seed
@@ -217,7 +224,7 @@ class SimulatedWorker:
         return p.Score(job_id=job.job_id, missing_count=count, missing_nar_size=size)
 
     async def run(self) -> None:
-        """Connects and serves until stop(), a 4409 close or a 403 at the handshake."""
+        """Connects and serves until stop(), a 4409 close or repeated 403s at the handshake."""
         self._task = asyncio.current_task()
         first, cap = self.config.backoff
         delay = first
@@ -229,6 +236,10 @@ class SimulatedWorker:
                     break
                 self._url_index = (self._url_index + 1) % len(self.urls)  # try the next server
                 # Jittered, so a fleet does not come back from a server restart in lockstep.
+                if self.forbidden:
+                    wait = self.config.forbidden_backoff * 2 ** (self.forbidden - 1)
+                    await self._sleep(wait * self._rng.uniform(0.75, 1.25))
+                    continue
                 await self._sleep(min(cap, delay * self._rng.uniform(0.5, 1.5)))
                 delay = min(delay * 2, cap)
         except asyncio.CancelledError:
@@ -310,7 +321,9 @@ class SimulatedWorker:
             status = exc.response.status_code
             self._record("connect_failed", url=url, error=f"HTTP {status}")
             if status == 403:
-                self._finish("forbidden")
+                self.forbidden += 1
+                if self.forbidden > self.config.forbidden_retries:
+                    self._finish("forbidden")
         except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
             self._record("connect_failed", url=url, error=str(exc) or type(exc).__name__)
         return False
@@ -390,6 +403,7 @@ class SimulatedWorker:
             self._outbox.pop(0)
         self.connected = True
         self.connections += 1
+        self.forbidden = 0
         if self.draining:
             await self._send(p.Draining())
         await self._request_free_slots()

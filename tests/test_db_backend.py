@@ -1,0 +1,53 @@
+"""gradient.postgresql: Django's health check (a round trip before a reused connection's
+first query) at most once a second per connection, and still where it matters."""
+
+import pytest
+from django.db import connections
+
+
+@pytest.fixture
+def reused(db):
+    """A second connection to the test database, kept between requests and health-checked
+    (as in production: the test settings close connections after each use)."""
+    conn = connections.create_connection("default")
+    conn.settings_dict = {**conn.settings_dict, "CONN_MAX_AGE": 60, "CONN_HEALTH_CHECKS": True}
+    checks = []
+    usable = conn.is_usable
+
+    def counted():
+        checks.append(1)
+        return usable()
+
+    conn.is_usable = counted
+    yield conn, checks
+    conn.close()
+
+
+def request(conn) -> int:
+    """What a request (a database_sync_to_async call) does: close_old_connections, a query."""
+    conn.close_if_unusable_or_obsolete()
+    with conn.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def test_a_connection_checked_moments_ago_is_not_checked_again(reused):
+    conn, checks = reused
+    pid = request(conn)  # opens it: a new connection needs no check
+    for _ in range(5):
+        assert request(conn) == pid
+    assert checks == []
+    conn.checked_at -= 1.5
+    assert request(conn) == pid
+    assert request(conn) == pid
+    assert checks == [1]  # once, then trusted again
+
+
+def test_a_connection_idle_for_a_while_that_died_is_replaced_before_use(reused):
+    conn, checks = reused
+    pid = request(conn)
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    conn.checked_at -= 1.5
+    assert request(conn) != pid  # checked, found dead, reopened: the query went through
+    assert checks == [1]
