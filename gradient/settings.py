@@ -78,6 +78,9 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
+# Threads per daphne process running the sessions' database work (see workers/consumer.py).
+FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -74,11 +74,12 @@ class TokenBucket:
         return True
 
 
-# The frames' threads. A service spends most of its time waiting on PostgreSQL round trips,
-# with the GIL released; asyncio's default executor (cpu count + 4 threads: 6 on two cores)
-# left every session's frames queueing behind a few such waits, seconds apart under a busy
-# fleet while daphne's own CPU idled. Each thread keeps its database connection.
-FRAME_THREADS = 16
+# The frames' threads. A service mostly waits on PostgreSQL with the GIL released, so a few
+# threads keep daphne's CPU busy; more than a few take the GIL from the event loop itself,
+# whose WebSocket handshakes and Redis operations then stall: with 16, a reconnect storm of
+# 1,000 workers ran out of Redis pool connections and handshakes timed out (403), where 4
+# brought all back in 15 s (docs/benchmarks.md). Each thread keeps its database connection.
+FRAME_THREADS = settings.FRAME_THREADS
 _frames = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="frames")
 
 

@@ -57,10 +57,11 @@ class WorkerConfig:
     backoff: tuple[float, float] = (0.1, 2.0)  # reconnect delay: first, cap
     # A 403 at the handshake is a refused token (protocol.md), but daphne also answers 403 to a
     # handshake its application did not accept in time (an overloaded server). So a 403 is
-    # tried again this many times, after this long (doubling, jittered), before the worker
-    # stops for good; a revoked worker costs the server a few handshakes over minutes.
-    forbidden_retries: int = 3
-    forbidden_backoff: float = 30.0
+    # tried again this many times, after this long (doubling, jittered: 5 s to 80 s, about
+    # 2.5 min in all), before the worker stops for good; a revoked worker costs the server a
+    # few handshakes, and a worker refused by a server busy with a restart is soon back.
+    forbidden_retries: int = 5
+    forbidden_backoff: float = 5.0
     open_timeout: float = 10.0
     max_events: int | None = 1000  # events kept in memory (the log file keeps them all)
     seed: int | None = None  # with a seed, durations, failures and rejects are reproducible
