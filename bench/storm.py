@@ -15,7 +15,6 @@ missing, emptied at the start) and Redis database 10.
 
 import argparse
 import asyncio
-import resource
 import shlex
 import statistics
 import sys
@@ -32,18 +31,6 @@ REDIS_DB = 10
 SECTION = "## Connection storm"
 BACK_TARGET_SECS = 5.0
 TIMEOUT_SECS = 60.0
-
-
-def raise_open_files(workers: int) -> int:
-    """Each worker holds a socket here and one in daphne (a child: it inherits the limit)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * workers + 1024
-    if soft < wanted:
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    if soft < wanted:
-        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
-    return soft
 
 
 def make_workers(count: int) -> list[tuple[str, str]]:
@@ -232,6 +219,11 @@ def section(command: str, r: dict) -> str:
         " PYTHONDONTWRITEBYTECODE set every start compiled every module, 8 s of CPU), and"
         " scipy is imported only when a pass needs it; meanwhile the fleet retries every"
         " 0.1 s doubling to 2 s, so the last workers arrive up to 2 s after daphne listens."
+        " The tail past the median is workers whose handshake daphne did not accept within"
+        " its 5 s: it answers those with a 403, which the reference worker retries after 5 s,"
+        " doubling. The sessions' database work runs on 4 threads (GRADIENT_FRAME_THREADS):"
+        " with 16 they took the GIL from the event loop, the Redis pool ran dry and 85 of the"
+        " 1,000 never had an InitAck within 60 s."
         " Targets: every worker gets its InitAck; all back within 5 s of the restart.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
         f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
@@ -247,7 +239,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
     command = shlex.join([".venv/bin/python", "bench/storm.py", *sys.argv[1:]])
-    raise_open_files(args.workers)
+    common.raise_open_files(args.workers)
     common.setup(args.database, REDIS_DB)
     print(command, flush=True)
     before = common.load()

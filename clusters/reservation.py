@@ -39,13 +39,6 @@ def reserved_workers() -> dict[int, int]:
     )
 
 
-def is_reserved(worker_id: int, kind: str) -> bool:
-    """Whether the worker's slot of this kind is held for a cluster: no single job for it."""
-    return ReservationSeat.objects.filter(
-        worker_id=worker_id, kind=kind, reservation__released_at__isnull=True
-    ).exists()
-
-
 def release(reservation_id, reason: str) -> bool:
     released = ClusterReservation.objects.filter(
         pk=reservation_id, released_at__isnull=True

@@ -414,6 +414,31 @@ def test_a_batch_claims_each_cluster_on_its_own():
     assert not IdleSlot.objects.filter(worker_id__in=[w for w, _ in claims[3].idle_seats]).exists()
 
 
+@pytest.mark.django_db
+def test_a_batch_holds_each_member_to_its_own_start_condition():
+    """The batch's set-based claim statement repeats ClaimGate.condition: a build must still be
+    Queued in the substitute mode seen, an evaluation not finished. Either way only that
+    member's cluster loses."""
+    since = timezone.now() - timedelta(seconds=25)
+    clusters = [make_cluster() for _ in range(4)]
+    claims = [seated_claim_for(c, WorkerFactory.create_batch(2), since) for c in clusters]
+    builds = [c.members.get(role="client").derivation_build for c in clusters]
+    # 0: the build's substitute mode changed since the snapshot; 1: the build left Queued;
+    # 2: the evaluation finished; 3: nothing in the way.
+    builds[0].cache_available = not builds[0].cache_available
+    builds[0].save(update_fields=["cache_available"])
+    builds[1].status = BuildStatus.COMPLETED
+    builds[1].save(update_fields=["status"])
+    evaluation = clusters[2].members.get(role="server").evaluation
+    evaluation.status = EvaluationStatus.COMPLETED
+    evaluation.save(update_fields=["status"])
+
+    assert claim_clusters(claims) == [False, False, False, True]
+    for cluster in clusters:
+        assert_whole_or_nothing(cluster)
+    assert ClusterAttempt.objects.get().pk == claims[3].attempt_id
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_batches_racing_over_the_same_clusters_never_double_claim():
     workers = WorkerFactory.create_batch(16)

@@ -164,9 +164,9 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
 
 
 # The worker with what a RequestJob of one kind asks of its state: its open assignments of the
-# kind (held cluster members count against its slots) and whether that slot is reserved for a
-# cluster (clusters.reservation.is_reserved). Written out: as an ORM query, compiling it cost
-# daphne more than PostgreSQL spent running it.
+# kind (held cluster members count against its slots) and whether that slot is a seat of the
+# active aging reservation (clusters.reservation): then it gets no single job of the kind.
+# Written out: as an ORM query, compiling it cost daphne more than PostgreSQL spent running it.
 LOAD_WORKER_SQL = """
 SELECT {columns},
        (SELECT count(*) FROM dispatched_job d

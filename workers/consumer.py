@@ -77,8 +77,8 @@ class TokenBucket:
 # The frames' threads. A service mostly waits on PostgreSQL with the GIL released, so a few
 # threads keep daphne's CPU busy; more than a few take the GIL from the event loop itself,
 # whose WebSocket handshakes and Redis operations then stall: with 16, a reconnect storm of
-# 1,000 workers ran out of Redis pool connections and handshakes timed out (403), where 4
-# brought all back in 15 s (docs/benchmarks.md). Each thread keeps its database connection.
+# 1,000 workers ran out of Redis pool connections and handshakes timed out (403); with 4,
+# every worker had its InitAck (docs/benchmarks.md). Each thread keeps its database connection.
 FRAME_THREADS = settings.FRAME_THREADS
 _frames = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="frames")
 
