@@ -25,14 +25,13 @@ from workers.models import IdleSlot
 
 # Budgets, in statements (a transaction's BEGIN and COMMIT are not counted; in a test they are
 # a SAVEPOINT and its RELEASE, which are).
-# RequestJob that assigns: the worker with its open count and reservation (1); the offer: both
-# kinds' candidates, which carry what the offer says (2), the fresh jobs' job_score rows (1);
-# the candidates (1); the claim in one transaction: SAVEPOINT, claim, transition, idle slot,
-# RELEASE (5).
-REQUEST_ASSIGNING = 10
-# RequestJob with nothing to give, nothing new to offer: the worker (1), both kinds'
-# candidates for the offer (2), the candidates (1), the idle slot (1).
-REQUEST_IDLE = 5
+# RequestJob that assigns: the worker with its open count and reservation (1); the offer:
+# both kinds' unoffered jobs, remembered as offered (1); the candidates (1); the claim in one
+# transaction: SAVEPOINT, claim, transition, idle slot, RELEASE (5).
+REQUEST_ASSIGNING = 8
+# RequestJob with nothing to give, nothing new to offer: the worker (1), the offer (1), the
+# candidates (1), the idle slot (1).
+REQUEST_IDLE = 4
 # A single job's JobCompleted: one statement.
 COMPLETED = 1
 # A single job's AssignJobResponse (accepted): the one query that tells it from a member's.

@@ -29,24 +29,33 @@ CANDIDATES = 20  # claims lost to rivals fall through to the next candidate
 # scored counts as the most expensive), oldest. With each, what its claim, its AssignJob and
 # its JobOffer need, so none of them reads the job again. The {placeholders} are fixed SQL
 # fragments.
-CANDIDATES_SQL = """
-SELECT j.id, j.status, {substitute} AS substitute,
-       j.project_id, p.name, j.architecture, j.required_features, j.paths,
-       s.worker_id IS NOT NULL AS offered
-FROM {table} j
-JOIN project p ON p.id = j.project_id
-LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text
-WHERE j.status = ANY(%(statuses)s)
+# What makes a job of a table one this worker may take now (shared with the offers): its
+# status (bound under the name {statuses}), the worker's platform and project access, no
+# open assignment.
+JOB_FILTER_SQL = """
+j.status = ANY(%({statuses})s)
   AND j.architecture = ANY(%(architectures)s)
   AND j.required_features <@ %(features)s
   AND (%(all_projects)s OR j.project_id IN (
         SELECT project_id FROM worker_projects WHERE worker_id = %(worker)s))
   AND NOT EXISTS (SELECT 1 FROM dispatched_job d
                   WHERE d.job_id = '{prefix}' || j.id::text AND d.finished_at IS NULL)
-  {member_filter}
+"""
+CANDIDATES_SQL = (
+    """
+SELECT j.id, j.status, {substitute} AS substitute,
+       j.project_id, p.name, j.architecture, j.required_features, j.paths
+FROM {table} j
+JOIN project p ON p.id = j.project_id
+LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text
+WHERE """
+    + JOB_FILTER_SQL
+    + """
+  AND NOT EXISTS ({active_member})
 ORDER BY j.prioritized DESC, s.missing_nar_size ASC NULLS LAST, j.created_at ASC
 LIMIT %(limit)s
 """
+)
 
 
 class Candidate(NamedTuple):
@@ -60,7 +69,6 @@ class Candidate(NamedTuple):
     architecture: str
     required_features: list[str]
     paths: list[str]
-    offered: bool  # this worker was offered the job already (it has a job_score row)
 
 
 @dataclass(frozen=True)
@@ -90,32 +98,35 @@ def offerable(worker: Worker, kind: str) -> Offerable | None:
     return None
 
 
-def candidates(worker: Worker, how: Offerable, *, members=False, limit=CANDIDATES) -> list:
-    """The jobs (Candidate rows, the id first) this worker may take, best first. With `members`,
-    cluster members are included (to be offered for scoring, never to be assigned here),
-    except to a fetch-only worker: a member evaluation always runs as one job."""
-    is_build = how.kind == JobKind.BUILD
-    fetch_only = how.steps_for.get(EvaluationStatus.QUEUED) == FETCH_STEPS
+def job_filter_params(worker: Worker, how: Offerable) -> dict:
+    """The parameters of JOB_FILTER_SQL for one kind."""
+    return {
+        "worker": worker.pk,
+        "statuses": list(how.statuses),
+        "architectures": worker.architectures,
+        "features": worker.system_features,
+        "all_projects": worker.all_projects,
+    }
+
+
+def job_table(kind: str) -> tuple[str, str]:
+    """(table, job key prefix) of a kind."""
+    return ("derivation_build", "build:") if kind == JobKind.BUILD else ("evaluation", "eval:")
+
+
+def candidates(worker: Worker, how: Offerable, *, limit=CANDIDATES) -> list:
+    """The jobs (Candidate rows, the id first) this worker may take as single jobs, best
+    first; cluster members are never among them."""
+    table, prefix = job_table(how.kind)
     sql = CANDIDATES_SQL.format(
-        table="derivation_build" if is_build else "evaluation",
-        prefix="build:" if is_build else "eval:",
-        substitute="j.cache_available" if is_build else "false",
-        member_filter=""
-        if members and not fetch_only
-        else f"AND NOT EXISTS ({active_member_sql('j.id', how.kind)})",
+        table=table,
+        prefix=prefix,
+        statuses="statuses",
+        substitute="j.cache_available" if how.kind == JobKind.BUILD else "false",
+        active_member=active_member_sql("j.id", how.kind),
     )
     with connection.cursor() as cursor:
-        cursor.execute(
-            sql,
-            {
-                "worker": worker.pk,
-                "statuses": list(how.statuses),
-                "architectures": worker.architectures,
-                "features": worker.system_features,
-                "all_projects": worker.all_projects,
-                "limit": limit,
-            },
-        )
+        cursor.execute(sql, {**job_filter_params(worker, how), "limit": limit})
         return [Candidate._make(row) for row in cursor.fetchall()]
 
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.asyncio
 # Up to InitAck and the offer that follows it: authenticate, attach (one statement, also for
 # a worker whose earlier session died holding nothing, as when a server is SIGKILLed), the
 # capabilities (one statement, the row back for InitAck's name and the offer), and the offer
-# (each kind's candidates; none queued here, so nothing is written).
-START = 5
+# (one statement for both kinds; none queued here, so nothing is written).
+START = 4
 # Then the reference worker asks for a job per free slot (eval and build) and, none queued,
 # gets idle slots: each such RequestJob as pinned where the RequestJob path is, and the
 # dispatch wake-up's question whether any cluster waits at all.

@@ -1,0 +1,59 @@
+"""JobOffer: what a worker is offered, once per job and connection (workers.connection)."""
+
+import pytest
+
+from gradient.jobs.models import Evaluation
+from tests.factories import (
+    BuildFactory,
+    BuildMemberFactory,
+    EvalMemberFactory,
+    EvaluationFactory,
+    WorkerFactory,
+)
+from workers import connection
+from workers.models import JobScore
+
+
+def offered(worker) -> list[str]:
+    offer = connection.new_offers(worker.pk)
+    return [] if offer is None else [job.job_id for job in offer.jobs]
+
+
+@pytest.mark.django_db
+def test_both_kinds_are_offered_members_included_and_remembered():
+    worker = WorkerFactory()
+    build, evaluation = BuildFactory(), EvaluationFactory()
+    member = EvalMemberFactory()
+    assert sorted(offered(worker)) == sorted([build.job_key, evaluation.job_key, member.job_key])
+    assert JobScore.objects.filter(worker=worker, scored_at__isnull=True).count() == 3
+    assert offered(worker) == []
+
+
+@pytest.mark.django_db
+def test_a_fetch_only_worker_is_offered_no_member_evaluation():
+    worker = WorkerFactory(can_eval=False, can_build=False, can_fetch=True)
+    single = EvaluationFactory()
+    EvalMemberFactory()
+    BuildMemberFactory()
+    assert offered(worker) == [single.job_key]
+
+
+@pytest.mark.django_db
+def test_a_long_queue_is_offered_oldest_first_the_rest_at_the_next_request(monkeypatch):
+    monkeypatch.setattr(connection, "OFFER_BATCH", 2)
+    worker = WorkerFactory(can_build=False)
+    jobs = EvaluationFactory.create_batch(3)
+    by_age = [
+        e.job_key
+        for e in Evaluation.objects.filter(pk__in=[j.pk for j in jobs]).order_by("created_at")
+    ]
+    assert offered(worker) == by_age[:2]
+    assert offered(worker) == by_age[2:]
+
+
+@pytest.mark.django_db
+def test_jobs_the_worker_cannot_run_are_not_offered():
+    worker = WorkerFactory()
+    BuildFactory(architecture="riscv64-linux")
+    BuildFactory(required_features=["kvm"])
+    assert offered(worker) == []
