@@ -10,6 +10,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from autobahn.exception import Disconnected
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -166,6 +167,17 @@ def answer_request(worker_id: int, kind: str):
 
 class WorkerConsumer(AsyncWebsocketConsumer):
     worker_id: int | None = None
+
+    async def dispatch(self, message):
+        # Channels' own dispatch first closes the stale database connections of the process's
+        # one thread-sensitive thread, for every frame and every event of every session: a
+        # hop to that thread which all of them queue for. This consumer never uses that
+        # thread's connection; its services run on their own threads (db(), handshake_db()),
+        # which check their connections before and after each call.
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
 
     starting = False  # authenticated, InitAck not sent yet (see STARTS_FIRST_SECS)
 
