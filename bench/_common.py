@@ -150,11 +150,14 @@ class Processes:
 
     @staticmethod
     def daphne_args(port: int) -> tuple[str, ...]:
-        # The README's command: a listen backlog for a fleet that reconnects all at once.
+        # The README's command: a listen backlog for a fleet that reconnects all at once, and
+        # time for its handshakes to wait their turn instead of a 403 after 5 s.
         return (
             str(VENV_BIN / "daphne"),
             "-e",
             f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
+            "--websocket_connect_timeout",
+            "30",
             "gradient.asgi:application",
         )
 
