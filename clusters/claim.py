@@ -324,6 +324,18 @@ def _take_idle_seats(claim: ClusterClaim) -> bool:
         return cursor.rowcount == len(claim.idle_seats)
 
 
+# Closing an attempt, abandoning its open member rows, setting its cluster (settling a verdict
+# sends them too: clusters.recovery).
+CLOSE_ATTEMPT_SQL = """
+UPDATE cluster_attempt SET finished_at = %s, outcome = %s WHERE id = %s AND finished_at IS NULL
+"""
+ABANDON_ROWS_SQL = """
+UPDATE dispatched_job SET finished_at = %s, outcome = %s
+WHERE cluster_attempt_id = %s AND finished_at IS NULL
+"""
+SET_CLUSTER_SQL = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
+
+
 def close_attempt_rows(
     attempt_id, outcome: str, now: datetime, *, unstarted: bool = False
 ) -> int | None:
@@ -331,8 +343,7 @@ def close_attempt_rows(
     the attempt was not open (nothing touched)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE cluster_attempt SET finished_at = %s, outcome = %s"
-            " WHERE id = %s AND finished_at IS NULL"
+            CLOSE_ATTEMPT_SQL.rstrip()
             + (" AND started_at IS NULL" if unstarted else "")
             + " RETURNING cluster_job_id",
             [now, outcome, attempt_id],
@@ -340,11 +351,7 @@ def close_attempt_rows(
         row = cursor.fetchone()
         if row is None:
             return None
-        cursor.execute(
-            "UPDATE dispatched_job SET finished_at = %s, outcome = %s"
-            " WHERE cluster_attempt_id = %s AND finished_at IS NULL",
-            [now, DispatchedOutcome.ABANDONED.value, attempt_id],
-        )
+        cursor.execute(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
     return row[0]
 
 
@@ -368,7 +375,7 @@ def release_members(attempt_id) -> None:
 
 
 def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:
-    sql = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
+    sql = SET_CLUSTER_SQL
     params = [status, now, cluster_id]
     if only_from:
         sql += " AND status = ANY(%s)"

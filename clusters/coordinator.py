@@ -8,15 +8,17 @@ out after the commit that justifies them.
 import logging
 import uuid
 
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from clusters.claim import fail_prepare_attempt, start_cluster_attempt
-from clusters.models import ClusterAttempt, ClusterMember
+from clusters.claim import fail_prepare_attempt
+from clusters.models import ClusterAttempt, ClusterMember, ClusterStatus
 from clusters.tracking import role_indexes
 from gradient import metrics
 from gradient.errors import NotAllowed
-from gradient.jobs.models import DispatchedJob
+from gradient.jobs.models import DispatchedJob, EvaluationStatus
+from gradient.jobs.transitions import EVALUATION_SOURCES
 from gradient.logs import ids
 from workers.groups import send_frames
 from workers.protocol import (
@@ -41,49 +43,126 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
     return sorted(seats, key=lambda s: (s[1], s[2]))
 
 
+# An AssignJobResponse(accepted) in one statement, its own transaction: one round trip, the
+# last acceptance's start included. In the lock order of clusters.claim:
+# - held: the worker's open row of the job, a single's or a member's (none: NotAllowed). Lock
+#   waits are bounded as bound_lock_waits bounds them, set here before the first lock is taken
+#   (a SET LOCAL would cost a round trip of its own).
+# - attempt: the member's attempt, locked: acceptances of one attempt queue here.
+# - seats: every row of the attempt, locked to read them as last committed (not as of this
+#   statement's snapshot): of two last acceptances at once, the second sees the first.
+# - accept: the acceptance of the open member row, kept as first given.
+# - started, running, evaluating: once every row is accepted and open, start_cluster_attempt's
+#   writes: the open, unstarted attempt started, its cluster Running and counting it, the
+#   member evaluations Queued -> EvaluatingFlake (builds went Building at the claim).
+# - members: once started, each member's (role, index), numbered as
+#   clusters.tracking.role_indexes numbers them, for the roster.
+# A row per seat with its worker when this acceptance started the attempt, else one row.
 ACCEPT_SQL = """
-UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, %s)
-WHERE worker_id = %s AND job_id = %s AND finished_at IS NULL AND cluster_attempt_id IS NOT NULL
-RETURNING cluster_attempt_id
+WITH held AS (
+    SELECT cluster_attempt_id, set_config('lock_timeout', %(lock_timeout)s, true)
+    FROM dispatched_job
+    WHERE worker_id = %(worker)s AND job_id = %(job)s AND finished_at IS NULL
+), attempt AS (
+    SELECT id FROM cluster_attempt WHERE id = (SELECT cluster_attempt_id FROM held)
+    FOR NO KEY UPDATE
+), seats AS (
+    SELECT id, job_id, worker_id, evaluation_id, accepted_at, finished_at,
+           worker_id = %(worker)s AND job_id = %(job)s AS mine
+    FROM dispatched_job WHERE cluster_attempt_id = (SELECT id FROM attempt)
+    ORDER BY id
+    FOR SHARE
+), accept AS (
+    UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, %(now)s)
+    WHERE id = (SELECT id FROM seats WHERE mine AND finished_at IS NULL)
+    RETURNING id
+), started AS (
+    UPDATE cluster_attempt SET started_at = %(now)s
+    WHERE id = (SELECT id FROM attempt) AND started_at IS NULL AND finished_at IS NULL
+      AND EXISTS (SELECT 1 FROM accept)
+      AND NOT EXISTS (SELECT 1 FROM seats
+                      WHERE finished_at IS NOT NULL OR (accepted_at IS NULL AND NOT mine))
+    RETURNING cluster_job_id
+), running AS (
+    UPDATE cluster_job SET status = %(running)s, attempts = attempts + 1, updated_at = %(now)s
+    WHERE id = (SELECT cluster_job_id FROM started)
+    RETURNING id
+), evaluating AS (
+    UPDATE evaluation SET status = %(eval_to)s
+    WHERE id = ANY(ARRAY(SELECT evaluation_id FROM seats)) AND status = ANY(%(eval_from)s)
+      AND EXISTS (SELECT 1 FROM running)
+), members AS (
+    SELECT coalesce('eval:' || evaluation_id, 'build:' || derivation_build_id) AS job_id, role,
+           row_number() OVER (PARTITION BY role ORDER BY id) - 1 AS index
+    FROM cluster_member WHERE cluster_job_id = (SELECT id FROM running)
+)
+SELECT h.cluster_attempt_id, EXISTS (SELECT 1 FROM accept),
+       s.worker_id, w.name, w.zone, w.endpoint, coalesce(m.role, '?'), coalesce(m.index, 0)
+FROM held h
+LEFT JOIN (seats s JOIN worker w ON w.id = s.worker_id LEFT JOIN members m ON m.job_id = s.job_id)
+  ON EXISTS (SELECT 1 FROM running)
 """
+
+# advance_evaluations(..., EVALUATING_FLAKE, {QUEUED}), as start_cluster_attempt moves them.
+FLAKE_FROM = sorted(
+    s.value
+    for s in EVALUATION_SOURCES[EvaluationStatus.EVALUATING_FLAKE] & {EvaluationStatus.QUEUED}
+)
+
+
+def accept_assignment(worker_id: int, job_id: str) -> bool | None:
+    """An AssignJobResponse(accepted): None for a single job, which needs nothing more. A
+    member's acceptance is recorded; the last one starts the attempt and, after its commit,
+    sends every member StartCluster with the roster: True when this acceptance started it."""
+    params = {
+        "worker": worker_id,
+        "job": job_id,
+        "now": timezone.now(),
+        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        "running": ClusterStatus.RUNNING.value,
+        "eval_to": EvaluationStatus.EVALUATING_FLAKE.value,
+        "eval_from": FLAKE_FROM,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(ACCEPT_SQL, params)
+        rows = cursor.fetchall()
+    if not rows:
+        raise NotAllowed(f"{job_id} was not assigned to this worker")
+    attempt_id, accepted = rows[0][:2]
+    if attempt_id is None:
+        return None
+    if not accepted:
+        raise NotAllowed(f"{job_id} is not held by this worker")
+    if rows[0][2] is None:  # not the last acceptance, or the attempt had started or closed
+        return False
+    _send_start(attempt_id, [row[2:] for row in rows])
+    return True
 
 
 def member_accepted(worker_id: int, job_id: str) -> bool:
-    """Record a member's acceptance; the last one starts the attempt and sends every member
-    StartCluster with the roster. True when this acceptance started it."""
-    # One statement, its own transaction: the acceptance of an open member row, kept as first
-    # given.
-    with connection.cursor() as cursor:
-        cursor.execute(ACCEPT_SQL, [timezone.now(), worker_id, job_id])
-        row = cursor.fetchone()
-    if row is None:
-        raise NotAllowed(f"{job_id} is not held by this worker")
-    attempt_id = row[0]
-    waiting = DispatchedJob.objects.filter(cluster_attempt_id=attempt_id).exclude(
-        finished_at__isnull=True, accepted_at__isnull=False
-    )
-    if waiting.exists() or not start_cluster_attempt(attempt_id):
-        return False
-    seats = _seats(attempt_id)
+    """A member's acceptance (accept_assignment); True when it started the attempt."""
+    started = accept_assignment(worker_id, job_id)
+    if started is None:
+        raise NotAllowed(f"{job_id} is not a cluster member")
+    return started
+
+
+def _send_start(attempt_id, seats) -> None:
+    """StartCluster to every seat of the started attempt; `seats` are (worker id, name, zone,
+    endpoint, role, index), the roster in (role, index) order as _seats orders it."""
+    seats = sorted(seats, key=lambda s: (s[4], s[5]))
     roster = [
-        RosterEntry(
-            role=role,
-            index=index,
-            worker=row.worker.name,
-            zone=row.worker.zone,
-            endpoint=row.worker.endpoint,
-        )
-        for row, role, index in seats
+        RosterEntry(role=role, index=index, worker=name, zone=zone, endpoint=endpoint)
+        for _, name, zone, endpoint, role, index in seats
     ]
     start = StartCluster(attempt=str(attempt_id), roster=roster)
-    send_frames([(row.worker_id, start) for row, _, _ in seats])
+    send_frames([(seat[0], start) for seat in seats])
     log.info(
         "attempt %s started with %d members",
         attempt_id,
         len(seats),
-        extra=ids(attempt=attempt_id, worker=[row.worker_id for row, _, _ in seats]),
+        extra=ids(attempt=attempt_id, worker=[seat[0] for seat in seats]),
     )
-    return True
 
 
 def abort_prepare(attempt_id, reason: str) -> bool:

@@ -7,7 +7,10 @@ computed from stored times (an attempt's created_at), so a restart never resets 
 
 import contextlib
 import logging
-from datetime import timedelta
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -15,15 +18,16 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from clusters.claim import (
+    ABANDON_ROWS_SQL,
+    CLOSE_ATTEMPT_SQL,
+    SET_CLUSTER_SQL,
     bound_lock_waits,
     can_retry,
-    close_attempt_rows,
     dead_member_count,
-    release_members,
     set_cluster_status,
 )
 from clusters.coordinator import abort_prepare, notify_abort
-from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterMember, ClusterStatus
+from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
 from clusters.verdict import MemberState, Verdict, decide
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
@@ -31,9 +35,10 @@ from gradient.jobs.models import (
     EVALUATION_TERMINAL,
     BuildStatus,
     DispatchedJob,
+    DispatchedOutcome,
     EvaluationStatus,
 )
-from gradient.jobs.transitions import advance_build, advance_evaluation
+from gradient.jobs.transitions import BUILD_SOURCES, EVALUATION_SOURCES
 from gradient.logs import ids
 
 log = logging.getLogger(__name__)
@@ -164,116 +169,262 @@ CLUSTER_STATUS = {
     Verdict.FAIL: ClusterStatus.FAILED,
     Verdict.ABORT: ClusterStatus.ABORTED,
 }
+ABORTING_KINDS = frozenset({"aborted", "canceled"})
+# What a retry moves back to Queued (clusters.claim.release_members): builds still Building,
+# evaluations still EvaluatingFlake.
+RELEASED_FROM = {
+    "build": frozenset({BuildStatus.BUILDING}),
+    "eval": frozenset({EvaluationStatus.EVALUATING_FLAKE}),
+}
+
+# Every member row of an attempt with what the verdict reads (its state: key, primary,
+# outcome, failure kind, and dead: its job final or gone) and the attempt and cluster it
+# belongs to, in job-key order. {attempt} is the attempt's id, or REPORTED_ATTEMPT.
+MEMBERS_SQL = """
+SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NULL,
+       c.attempts, c.retry_budget,
+       d.id, d.job_id, d.worker_id, d.evaluation_id, d.derivation_build_id, d.finished_at,
+       d.outcome, d.failure_kind,
+       EXISTS (SELECT 1 FROM cluster_member m
+               WHERE m.cluster_job_id = a.cluster_job_id AND m."primary"
+                 AND (m.evaluation_id = d.evaluation_id
+                      OR m.derivation_build_id = d.derivation_build_id)),
+       coalesce(coalesce(e.status, b.status) = ANY(%(dead)s), true)
+FROM cluster_attempt a
+JOIN cluster_job c ON c.id = a.cluster_job_id
+JOIN dispatched_job d ON d.cluster_attempt_id = a.id
+LEFT JOIN evaluation e ON e.id = d.evaluation_id
+LEFT JOIN derivation_build b ON b.id = d.derivation_build_id
+WHERE a.id = {attempt}
+ORDER BY d.job_id
+"""
+ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
+
+# A member's report opens its transaction with these four statements, sent together (a
+# psycopg pipeline: one round trip). Each runs on a snapshot taken when it starts, so the
+# ones after the lock see every report committed before it.
+# The reporting row's attempt: the row is this worker's, of this job, under this id.
+REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
+                       WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
+# bound_lock_waits, for a member's row only: an assignment that is no member's (a single's
+# JobFailed, handled in the same transaction) keeps its lock waits as they were.
+BOUND_LOCK_WAITS_SQL = f"""
+SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
+"""
+# Reports of one attempt queue on its row (settling and abort_attempt lock it first too).
+LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
+# The row finishes with the report if it is open, and a Completed only once the attempt has
+# started; the row comes back when it did.
+FINISH_SQL = """
+UPDATE dispatched_job d SET finished_at = %(now)s, outcome = %(outcome)s, failure_kind = %(kind)s
+FROM cluster_attempt a
+WHERE d.id = %(id)s AND d.worker_id = %(worker)s AND d.job_id = %(job)s AND d.finished_at IS NULL
+  AND a.id = d.cluster_attempt_id AND (a.started_at IS NOT NULL OR %(outcome)s <> 'Completed')
+RETURNING d.id
+"""
+# The verdict's input, the report included; no row for an assignment that is no member's.
+REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
+
+# Settling, in one round trip (a pipeline), in the lock order of clusters.claim (the attempt,
+# locked already, then its rows, its cluster, the member jobs): close the attempt, abandon
+# its open rows, set the cluster (close_attempt_rows and set_cluster_status), then each
+# member's guarded transition (advance_build, advance_evaluation): per job, a target and the
+# states it may be reached from.
+MOVE_JOBS_SQL = """
+UPDATE {table} j SET status = t.status
+FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS t(id, status, sources)
+WHERE j.id = t.id AND j.status = ANY(string_to_array(t.sources, ','))
+"""
+MOVE_SQL = {
+    "build": MOVE_JOBS_SQL.format(table="derivation_build"),
+    "eval": MOVE_JOBS_SQL.format(table="evaluation"),
+}
 
 
-def member_states(attempt_id) -> tuple[list[MemberState], list[DispatchedJob]]:
-    rows = list(
-        DispatchedJob.objects.filter(cluster_attempt_id=attempt_id).select_related(
-            "evaluation", "derivation_build"
-        )
-    )
-    primaries = set(
-        ClusterMember.objects.filter(
-            cluster_job__attempts_made=attempt_id, primary=True
-        ).values_list("evaluation_id", "derivation_build_id")
-    )
-    primary_jobs = {j for pair in primaries for j in pair if j}
-    states = []
-    for row in rows:
-        job = row.evaluation or row.derivation_build
-        dead = job is None or job.status in (EVALUATION_TERMINAL | BUILD_TERMINAL)
-        outcome = {"Completed": "Completed", "Failed": "Failed"}.get(row.outcome)
-        states.append(
-            MemberState(
-                key=row.job_id,
-                primary=(row.evaluation_id or row.derivation_build_id) in primary_jobs,
-                outcome=outcome,
-                failure_kind=row.failure_kind,
-                dead=dead,
-            )
-        )
-    return states, rows
+@dataclass(frozen=True)
+class Member:
+    """A member's dispatched_job row, as the verdict reads it and settling moves its job."""
+
+    id: uuid.UUID
+    job_id: str
+    worker_id: int
+    evaluation_id: uuid.UUID | None
+    derivation_build_id: uuid.UUID | None
+    finished_at: datetime | None
+    outcome: str | None
+    failure_kind: str | None
+    primary: bool
+    dead: bool
+
+    @property
+    def state(self) -> MemberState:
+        outcome = self.outcome if self.outcome in ("Completed", "Failed") else None
+        return MemberState(self.job_id, self.primary, outcome, self.failure_kind, self.dead)
 
 
-def _settle_jobs(verdict: Verdict, attempt_id, rows: list[DispatchedJob]) -> None:
-    if verdict == Verdict.RETRY:
-        release_members(attempt_id)
-        return
-    for row in rows:
-        if row.outcome == "Completed":
+@dataclass(frozen=True)
+class Attempt:
+    """An attempt under its lock, with its members, as MEMBERS_SQL reads them."""
+
+    id: uuid.UUID
+    cluster_id: int
+    started: bool
+    closed: bool
+    budget_left: bool
+    members: list[Member]
+
+    @classmethod
+    def from_rows(cls, rows) -> "Attempt":
+        attempt_id, cluster_id, started, closed, attempts, budget = rows[0][:6]
+        members = [Member(*row[6:]) for row in rows]
+        return cls(attempt_id, cluster_id, started, closed, attempts - 1 < budget, members)
+
+
+def _send(sql: str, params):
+    """Execute on a cursor of its own: in a pipeline, its result is read after the sync."""
+    cursor = connection.cursor()
+    cursor.execute(sql, params)
+    return cursor
+
+
+def _dead_statuses() -> list[str]:
+    return sorted(EVALUATION_TERMINAL | BUILD_TERMINAL)
+
+
+def member_states(attempt_id) -> tuple[list[MemberState], list[Member]]:
+    with connection.cursor() as cursor:
+        cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, "dead": _dead_statuses()})
+        rows = cursor.fetchall()
+    members = Attempt.from_rows(rows).members if rows else []
+    return [m.state for m in members], members
+
+
+def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]]:
+    """(job, target, its sources) per member job, by kind."""
+    moves: dict[str, list[tuple]] = {"build": [], "eval": []}
+    for m in members:
+        if verdict == Verdict.RETRY:
+            to_build, to_eval = BuildStatus.QUEUED, EvaluationStatus.QUEUED
+        elif m.outcome == "Completed":
             to_build, to_eval = BuildStatus.COMPLETED, EvaluationStatus.COMPLETED
-        elif row.outcome == "Failed" and row.failure_kind not in ("aborted", "canceled"):
+        elif m.outcome == "Failed" and m.failure_kind not in ABORTING_KINDS:
             # Settled for good: a requeueing kind becomes permanent.
             to_build, to_eval = BuildStatus.FAILED_PERMANENT, EvaluationStatus.FAILED
         else:  # a survivor, still running when the attempt was decided
             to_build, to_eval = BuildStatus.ABORTED, EvaluationStatus.ABORTED
-        if row.derivation_build_id:
-            advance_build(row.derivation_build_id, to_build)
-        elif row.evaluation_id:
-            advance_evaluation(row.evaluation_id, to_eval)
+        if m.derivation_build_id:
+            kind, job, to, sources = "build", m.derivation_build_id, to_build, BUILD_SOURCES
+        elif m.evaluation_id:
+            kind, job, to, sources = "eval", m.evaluation_id, to_eval, EVALUATION_SOURCES
+        else:
+            continue  # its job is gone
+        allowed = sources[to] & RELEASED_FROM[kind] if verdict == Verdict.RETRY else sources[to]
+        moves[kind].append((job, to, ",".join(sorted(allowed))))
+    return moves
 
 
-def settle(attempt: ClusterAttempt, verdict: Verdict, rows: list[DispatchedJob]) -> list[int]:
-    """Apply a decided verdict inside the caller's transaction: close the attempt (abandoning
-    open member rows), set the cluster, settle every member's job. Returns the workers of the
-    survivors, to be told AbortCluster after commit."""
-    survivors = sorted({r.worker_id for r in rows if r.finished_at is None})
+def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int]:
+    """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
+    attempt (abandoning open member rows), set the cluster, settle every member's job. Returns
+    the workers of the survivors, to be told AbortCluster after commit."""
+    survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
-    close_attempt_rows(attempt.pk, ATTEMPT_OUTCOME[verdict], now)
-    for row in rows:
-        if row.finished_at is None:
-            row.finished_at, row.outcome = now, "Abandoned"
-    set_cluster_status(attempt.cluster_job_id, CLUSTER_STATUS[verdict], now)
-    _settle_jobs(verdict, attempt.pk, rows)
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        _send(CLOSE_ATTEMPT_SQL, [now, ATTEMPT_OUTCOME[verdict], attempt_id])
+        _send(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
+        _send(SET_CLUSTER_SQL, [CLUSTER_STATUS[verdict], now, cluster_id])
+        for kind, moves in _job_moves(verdict, members).items():
+            if moves:
+                _send(MOVE_SQL[kind], [list(column) for column in zip(*moves, strict=True)])
     log.info(
         "attempt %s decided %s",
-        attempt.pk,
+        attempt_id,
         verdict,
-        extra=ids(cluster=attempt.cluster_job_id, attempt=attempt.pk),
+        extra=ids(cluster=cluster_id, attempt=attempt_id),
     )
     return survivors
 
 
+def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Attempt, bool] | None:
+    """The report's statements up to the verdict, in one round trip: the attempt locked, the
+    row finished if the report may finish it. None when the assignment is no member's held by
+    this worker; else the attempt as they left it and whether the row finished."""
+    params = {
+        "id": assignment_id,
+        "worker": worker_id,
+        "job": job_id,
+        "now": timezone.now(),
+        "outcome": outcome,
+        "kind": kind,
+        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        "dead": _dead_statuses(),
+    }
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        _send(BOUND_LOCK_WAITS_SQL, params)
+        _send(LOCK_ATTEMPT_SQL, params)
+        finish = _send(FINISH_SQL, params)
+        members = _send(REPORTED_MEMBERS_SQL, params)
+    rows = members.fetchall()
+    if not rows:
+        return None
+    return Attempt.from_rows(rows), finish.fetchone() is not None
+
+
+def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None:
+    """A report that finished nothing is accepted for a row the decided verdict settled, else
+    NotAllowed."""
+    row = next(m for m in attempt.members if str(m.id) == str(assignment_id))
+    if row.finished_at is None:
+        raise NotAllowed(f"{job_id} must not run before StartCluster")
+    if not (attempt.closed and row.outcome == DispatchedOutcome.ABANDONED):
+        raise NotAllowed(f"{job_id} was reported already")
+
+
+def _resolve(attempt: Attempt) -> tuple[Verdict | None, list[int]]:
+    """The verdict of the reports so far, settled when there is one; the survivors."""
+    verdict = decide([m.state for m in attempt.members], budget_left=attempt.budget_left)
+    if verdict is None:
+        return None, []
+    return verdict, settle(attempt.id, attempt.cluster_id, verdict, attempt.members)
+
+
 def member_report(
-    worker_id: int, job_id: str, assignment_id, outcome: str, kind: str | None = None
+    worker_id: int,
+    job_id: str,
+    assignment_id,
+    outcome: str,
+    kind: str | None = None,
+    *,
+    single: Callable[[], None] | None = None,
 ) -> Verdict | None:
     """A member's JobCompleted/JobFailed (or its loss, outcome Failed with kind "lost").
 
     Releases its job without moving it; the first deciding report resolves the attempt and
-    settles every member. Before the start, a failure is a failed prepare and never reaches
-    the job. A report for a member the verdict already settled is accepted and changes
-    nothing."""
-    row = DispatchedJob.objects.filter(
-        pk=assignment_id, worker_id=worker_id, job_id=job_id, cluster_attempt__isnull=False
-    ).first()
-    if row is None:
-        raise NotAllowed(f"{job_id} is not a member held by this worker under {assignment_id}")
-    verdict, survivors, prepare_failed = None, [], False
+    settles every member, in the same transaction. Before the start, a failure is a failed
+    prepare and never reaches the job. A report for a member the verdict already settled is
+    accepted and changes nothing. An assignment that is no member's is NotAllowed, or goes to
+    `single`, called in the same transaction (a JobFailed tells a single's from a member's at
+    no extra round trip)."""
+    verdict, survivors = None, []
     with transaction.atomic(durable=True):
-        bound_lock_waits()
-        # Reports of one attempt queue here: each sees every report before it.
-        attempt = ClusterAttempt.objects.select_for_update().get(pk=row.cluster_attempt_id)
-        row = DispatchedJob.objects.select_for_update().get(pk=row.pk)
-        if row.finished_at is not None:
-            if attempt.finished_at is not None and row.outcome == "Abandoned":
-                return None  # settled by the decided verdict
-            raise NotAllowed(f"{job_id} was reported already")
-        if attempt.started_at is None and outcome == "Completed":
-            raise NotAllowed(f"{job_id} must not run before StartCluster")
-        row.finished_at, row.outcome, row.failure_kind = timezone.now(), outcome, kind
-        row.save(update_fields=["finished_at", "outcome", "failure_kind"])
-        if attempt.started_at is None:
-            prepare_failed = True
-        else:
-            states, rows = member_states(attempt.pk)
-            cluster = ClusterJob.objects.get(pk=attempt.cluster_job_id)
-            verdict = decide(states, budget_left=cluster.attempts - 1 < cluster.retry_budget)
-            if verdict is not None:
-                survivors = settle(attempt, verdict, rows)
-    if prepare_failed:
-        abort_prepare(attempt.pk, f"member {job_id} failed before the start ({kind})")
+        recorded = _record_report(worker_id, job_id, assignment_id, outcome, kind)
+        if recorded is None:
+            if single is None:
+                raise NotAllowed(
+                    f"{job_id} is not a member held by this worker under {assignment_id}"
+                )
+            single()
+            return None
+        attempt, finished = recorded
+        if not finished:
+            _refuse_unless_settled(attempt, assignment_id, job_id)
+            return None
+        if attempt.started:
+            verdict, survivors = _resolve(attempt)
+    if not attempt.started:
+        abort_prepare(attempt.id, f"member {job_id} failed before the start ({kind})")
     elif survivors:
-        notify_abort(attempt.pk, f"attempt decided: {verdict}", survivors)
+        notify_abort(attempt.id, f"attempt decided: {verdict}", survivors)
     return verdict
 
 
@@ -298,6 +449,6 @@ def abort_attempt(attempt_id, reason: str) -> bool:
         if attempt.finished_at is not None:
             return False
         _, rows = member_states(attempt.pk)
-        survivors = settle(attempt, Verdict.ABORT, rows)
+        survivors = settle(attempt.pk, attempt.cluster_job_id, Verdict.ABORT, rows)
     notify_abort(attempt_id, reason, survivors)
     return True

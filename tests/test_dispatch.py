@@ -14,8 +14,9 @@ from clusters.tracking import startable_clusters
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import Inbox, idle_workers
+from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
-from workers.models import IdleSlot
+from workers.models import IdleSlot, Worker
 from workers.protocol import MemberRef
 
 pytestmark = pytest.mark.django_db
@@ -134,6 +135,84 @@ def test_the_last_acceptance_starts_the_attempt_and_every_member_gets_the_roster
     evaluation = cluster.members.get(role="server").evaluation
     evaluation.refresh_from_db()
     assert evaluation.status == EvaluationStatus.EVALUATING_FLAKE
+
+
+def test_the_roster_names_every_seat_with_its_role_index_and_worker_in_roster_order():
+    cluster = ClusterFactory()
+    EvalMemberFactory(cluster_job=cluster, role="server")
+    for _ in range(3):
+        BuildMemberFactory(cluster_job=cluster, role="client")
+    workers = idle_workers(4, zone="z1")
+    for i, w in enumerate(workers):
+        Worker.objects.filter(pk=w.pk).update(endpoint=f"10.0.0.{i}:7000")
+    inbox = Inbox(workers)
+    assert run_pass().claimed == [cluster.pk]
+    for w in workers:
+        inbox.frames(w)  # the AssignJobs
+    rows = list(DispatchedJob.objects.all())
+    assert [coordinator.member_accepted(r.worker_id, r.job_id) for r in rows] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    # What _seats (clusters.tracking.role_indexes) makes of the started attempt.
+    seats = coordinator._seats(rows[0].cluster_attempt_id)
+    expected = [
+        {
+            "role": role,
+            "index": index,
+            "worker": row.worker.name,
+            "zone": "z1",
+            "endpoint": row.worker.endpoint,
+        }
+        for row, role, index in seats
+    ]
+    assert [(e["role"], e["index"]) for e in expected] == [
+        ("client", 0),
+        ("client", 1),
+        ("client", 2),
+        ("server", 0),
+    ]
+    for w in workers:
+        [start] = inbox.frames(w)
+        assert start["roster"] == expected
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_last_acceptances_at_once_start_the_attempt_once_and_send_one_start_each():
+    for _ in range(10):
+        cluster = two_member_cluster()
+        IdleSlot.objects.all().delete()
+        workers = idle_workers(2)
+        inbox = Inbox(workers)
+        assert run_pass().claimed == [cluster.pk]
+        for w in workers:
+            inbox.frames(w)
+        rows = list(DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster))
+        started = race(
+            *[lambda r=r: coordinator.member_accepted(r.worker_id, r.job_id) for r in rows]
+        )
+        assert sorted(started) == [False, True]
+        cluster.refresh_from_db()
+        assert (cluster.status, cluster.attempts) == (ClusterStatus.RUNNING, 1)
+        assert not DispatchedJob.objects.filter(pk__in=[r.pk for r in rows], accepted_at=None)
+        for w in workers:
+            assert [f["type"] for f in inbox.frames(w)] == ["StartCluster"]
+
+
+def test_an_acceptance_of_a_closed_or_unknown_member_row_is_refused_and_changes_nothing():
+    _cluster, _workers, _inbox, rows = prepared()
+    with pytest.raises(NotAllowed):
+        coordinator.member_accepted(rows[0].worker_id, "build:unknown")
+    with pytest.raises(NotAllowed):  # another worker's row
+        coordinator.member_accepted(rows[1].worker_id, rows[0].job_id)
+    coordinator.member_accepted(rows[0].worker_id, rows[0].job_id)
+    coordinator.member_rejected(rows[1].worker_id, rows[1].job_id, "busy")
+    with pytest.raises(NotAllowed):  # the prepare failed: its rows are closed
+        coordinator.member_accepted(rows[1].worker_id, rows[1].job_id)
+    assert DispatchedJob.objects.get(pk=rows[1].pk).accepted_at is None
+    assert ClusterAttempt.objects.get().started_at is None
 
 
 def test_a_rejecting_member_aborts_the_attempt_and_returns_the_cluster(settings):

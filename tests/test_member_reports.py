@@ -1,6 +1,10 @@
 """Member reports into the verdict, settled in one transaction, on the real database."""
 
+import time
+
+import psycopg
 import pytest
+from django.db import OperationalError, connection
 
 from clusters import coordinator
 from clusters.dispatch import run_pass
@@ -10,7 +14,12 @@ from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
-from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
+from tests.factories import (
+    BuildMemberFactory,
+    ClusterFactory,
+    EvalMemberFactory,
+    WorkerFactory,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -138,3 +147,68 @@ def test_simultaneous_reports_decide_the_attempt_once():
         assert cluster.status == ClusterStatus.QUEUED
         # Out of the next iteration's way.
         type(cluster).objects.filter(pk=cluster.pk).update(status=ClusterStatus.FAILED)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_of_simultaneous_completions_the_later_sees_the_earlier_and_decides():
+    # Neither member is primary: only the report that finds its sibling done decides.
+    for _ in range(20):
+        cluster, rows, _, _ = started_cluster()
+        verdicts = race(
+            lambda r=rows: report(r["eval"], "Completed"),
+            lambda r=rows: report(r["build"], "Completed"),
+        )
+        assert sorted(map(str, verdicts)) == ["Complete", "None"], verdicts
+        assert statuses(cluster) == (
+            ClusterStatus.COMPLETED,
+            EvaluationStatus.COMPLETED,
+            BuildStatus.COMPLETED,
+        )
+
+
+def frozen_connection():
+    """A connection of its own, outside Django, to hold a lock for as long as a test likes."""
+    s = connection.settings_dict
+    return psycopg.connect(dbname=s["NAME"], user=s["USER"], host=s["HOST"], port=s["PORT"] or 5432)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_frozen_holder_of_the_attempt_costs_a_report_a_bounded_wait(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "CLAIM_LOCK_TIMEOUT_MS": 300}
+    _, rows, _, _ = started_cluster()
+    frozen = frozen_connection()
+    try:
+        frozen.execute(
+            "SELECT 1 FROM cluster_attempt WHERE id = %s FOR UPDATE",
+            [rows["build"].cluster_attempt_id],
+        )
+        began = time.monotonic()
+        with pytest.raises(OperationalError):
+            report(rows["build"], "Completed")
+        assert time.monotonic() - began < 5
+        assert DispatchedJob.objects.get(pk=rows["build"].pk).finished_at is None
+    finally:
+        frozen.rollback()
+        frozen.close()
+    assert report(rows["build"], "Completed") is None
+    assert report(rows["eval"], "Completed") == "Complete"
+
+
+@pytest.mark.django_db(transaction=True)  # SET LOCAL lasts until a real commit
+def test_an_assignment_no_member_of_this_worker_holds_goes_to_single_or_is_refused():
+    _, rows, _, _ = started_cluster()
+    row, stranger = rows["build"], WorkerFactory()
+    seen = []
+
+    def single():
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW lock_timeout")
+            seen.append((cursor.fetchone()[0], connection.in_atomic_block))
+
+    args = (stranger.pk, row.job_id, row.pk, "Failed", "transient")
+    assert member_report(*args, single=single) is None
+    # In the report's transaction, its lock waits as the session had them (unbounded).
+    assert seen == [("0", True)]
+    with pytest.raises(NotAllowed):
+        member_report(*args)
+    assert DispatchedJob.objects.get(pk=row.pk).finished_at is None

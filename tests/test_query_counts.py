@@ -1,7 +1,8 @@
 """How many queries the hot path of a session costs: a RequestJob that assigns a single job,
-one that finds nothing to give, and a single job's JobCompleted. Every frame of a busy fleet
-goes through these, each query a round trip to PostgreSQL from daphne, so a change that adds
-one must show up here (bench/throughput.py measures what they add up to)."""
+one that finds nothing to give, a single job's JobCompleted, and the acceptances (the last
+member's is on the gang-start latency path). Every frame of a busy fleet goes through these,
+each query a round trip to PostgreSQL from daphne, so a change that adds one must show up here
+(bench/throughput.py measures what they add up to)."""
 
 import uuid
 
@@ -9,6 +10,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from clusters.dispatch import run_pass
+from clusters.models import ClusterAttempt, ClusterStatus
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BuildStatus,
@@ -17,7 +20,16 @@ from gradient.jobs.models import (
     Evaluation,
     EvaluationStatus,
 )
-from tests.factories import BuildFactory, EvaluationFactory, ProjectFactory, WorkerFactory
+from tests.clusterflow import Inbox, idle_workers
+from tests.factories import (
+    BuildFactory,
+    BuildMemberFactory,
+    ClusterFactory,
+    EvalMemberFactory,
+    EvaluationFactory,
+    ProjectFactory,
+    WorkerFactory,
+)
 from workers import reports
 from workers.assignment import FETCH_STEPS
 from workers.consumer import answer_request
@@ -36,6 +48,29 @@ REQUEST_IDLE = 4
 COMPLETED = 1
 # A single job's AssignJobResponse (accepted): the one query that tells it from a member's.
 ACCEPTED = 1
+# A cluster member's AssignJobResponse (accepted), not the last: one statement
+# (clusters.coordinator.ACCEPT_SQL) that finds the row, locks its attempt and the attempt's
+# rows, and records the acceptance.
+MEMBER_ACCEPTED = 1
+# The last member's: the same statement also starts the attempt (the attempt, its cluster
+# Running, the member evaluations' transition) and returns the roster. StartCluster then goes
+# to the channel layer, not to PostgreSQL.
+LAST_MEMBER_ACCEPTED = 1
+# A cluster member's JobCompleted that does not decide yet (a sibling still runs): the single
+# job's statement, which finishes nothing and tells it is a member's (1); the report's
+# transaction (clusters.recovery.member_report): SAVEPOINT, then one round trip (a pipeline)
+# of the lock_timeout, the attempt's lock, the row's finish, and every member's state with
+# the cluster's attempts and retry budget (4); RELEASE. In production BEGIN and COMMIT take
+# the SAVEPOINT's and RELEASE's places: 4 round trips in all.
+MEMBER_COMPLETED = 7
+# One that decides Complete: the same, and settling in one more round trip (a pipeline): the
+# attempt closed, its open rows abandoned, the cluster Completed, the builds' and the
+# evaluations' transitions (5). 5 round trips in all.
+MEMBER_COMPLETED_DECIDING = 12
+# A member's JobFailed, deciding Retry: no single job's statement first (a single's failure
+# runs in the transaction the member path opens); SAVEPOINT, the report's round trip (4),
+# settling's (5), RELEASE. 4 round trips in all.
+MEMBER_FAILED_DECIDING = 11
 
 
 def counted(fn, *args):
@@ -146,3 +181,73 @@ def test_accepting_a_single_job_is_one_query():
     assert len(sql) == ACCEPTED, "\n".join(sql)
     with pytest.raises(NotAllowed):
         reports.job_accepted(WorkerFactory().pk, assign.job_id)
+
+
+@pytest.mark.django_db
+def test_a_members_acceptance_is_one_statement_and_so_is_the_last_ones_start(memory_layer):
+    cluster = ClusterFactory()
+    EvalMemberFactory(cluster_job=cluster, role="server")
+    BuildMemberFactory(cluster_job=cluster, role="client")
+    workers = idle_workers(2)
+    inbox = Inbox(workers)
+    assert run_pass().claimed == [cluster.pk]
+    for w in workers:
+        inbox.frames(w)  # the AssignJobs
+    build, evaluation = DispatchedJob.objects.order_by("kind")
+    _, sql = counted(reports.job_accepted, evaluation.worker_id, evaluation.job_id)
+    assert len(sql) == MEMBER_ACCEPTED, "\n".join(sql)
+    assert ClusterAttempt.objects.get().started_at is None
+    assert all(inbox.frames(w) == [] for w in workers)
+    _, sql = counted(reports.job_accepted, build.worker_id, build.job_id)
+    assert len(sql) == LAST_MEMBER_ACCEPTED, "\n".join(sql)
+    assert ClusterAttempt.objects.get().started_at is not None
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == (ClusterStatus.RUNNING, 1)
+    assert Evaluation.objects.get().status == EvaluationStatus.EVALUATING_FLAKE
+    assert all([f["type"] for f in inbox.frames(w)] == ["StartCluster"] for w in workers)
+
+
+def started_members():
+    """A started attempt of a server (an evaluation) and a client (a build), neither primary:
+    the rows by kind."""
+    cluster = ClusterFactory(retry_budget=1)
+    EvalMemberFactory(cluster_job=cluster, role="server")
+    BuildMemberFactory(cluster_job=cluster, role="client")
+    idle_workers(2)
+    assert run_pass().claimed == [cluster.pk]
+    rows = {row.kind: row for row in DispatchedJob.objects.all()}
+    for row in rows.values():
+        reports.job_accepted(row.worker_id, row.job_id)
+    return cluster, rows
+
+
+def reported(row, *failure_kind):
+    report = reports.job_failed if failure_kind else reports.job_completed
+    return counted(report, row.worker_id, row.job_id, str(row.pk), *failure_kind)[1]
+
+
+@pytest.mark.django_db
+def test_a_members_completion_decides_or_not_in_a_few_round_trips(memory_layer):
+    cluster, rows = started_members()
+    sql = reported(rows["build"])
+    assert len(sql) == MEMBER_COMPLETED, "\n".join(sql)
+    assert DispatchedJob.objects.get(pk=rows["build"].pk).outcome == "Completed"
+    assert DerivationBuild.objects.get().status == BuildStatus.BUILDING  # held back
+    sql = reported(rows["eval"])
+    assert len(sql) == MEMBER_COMPLETED_DECIDING, "\n".join(sql)
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.COMPLETED
+    assert ClusterAttempt.objects.get().outcome == "Succeeded"
+    assert DerivationBuild.objects.get().status == BuildStatus.COMPLETED
+    assert Evaluation.objects.get().status == EvaluationStatus.COMPLETED
+
+
+@pytest.mark.django_db
+def test_a_members_failure_pays_no_query_to_tell_it_from_a_single(memory_layer):
+    cluster, rows = started_members()
+    sql = reported(rows["build"], "transient")
+    assert len(sql) == MEMBER_FAILED_DECIDING, "\n".join(sql)
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.QUEUED
+    assert DerivationBuild.objects.get().status == BuildStatus.QUEUED
+    assert Evaluation.objects.get().status == EvaluationStatus.QUEUED

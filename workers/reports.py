@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.coordinator import member_accepted, member_rejected
+from clusters.coordinator import accept_assignment, member_rejected
 from clusters.recovery import member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
@@ -58,12 +58,11 @@ def _finish(row: DispatchedJob, outcome: str) -> None:
     row.save(update_fields=["finished_at", "outcome"])
 
 
-def _is_member(assignment_id: str) -> bool:
+def _assignment_pk(assignment_id: str) -> uuid.UUID:
     try:
-        pk = uuid.UUID(assignment_id)
+        return uuid.UUID(assignment_id)
     except ValueError:
-        return False
-    return DispatchedJob.objects.filter(pk=pk, cluster_attempt__isnull=False).exists()
+        raise NotAllowed(f"no assignment {assignment_id!r}") from None
 
 
 # A single job's JobCompleted in one statement (one round trip, atomic on its own): finish
@@ -91,10 +90,7 @@ SELECT EXISTS (SELECT 1 FROM done),
 
 
 def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
-    try:
-        pk = uuid.UUID(assignment_id)
-    except ValueError:
-        raise NotAllowed(f"no assignment {assignment_id!r}") from None
+    pk = _assignment_pk(assignment_id)
     params = {
         "now": timezone.now(),
         "outcome": DispatchedOutcome.COMPLETED.value,
@@ -113,21 +109,25 @@ def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
     if finished:
         return
     if is_member:
-        member_report(worker_id, job_id, assignment_id, DispatchedOutcome.COMPLETED)
+        member_report(worker_id, job_id, pk, DispatchedOutcome.COMPLETED)
         return
     raise NotAllowed(f"{job_id} is not held by this worker under {assignment_id}")
 
 
 def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> None:
-    if _is_member(assignment_id):
-        member_report(worker_id, job_id, assignment_id, DispatchedOutcome.FAILED, kind)
-        return
-    with transaction.atomic(durable=True):
+    """The member path goes first; an assignment that is no member's is a single's, whose
+    failure then runs in the transaction the member path opened: telling them apart costs
+    neither a query of its own."""
+    pk = _assignment_pk(assignment_id)
+
+    def single() -> None:
         row = _open_row(worker_id, job_id, assignment_id)
         _finish(row, DispatchedOutcome.FAILED)
         row.failure_kind = kind
         row.save(update_fields=["failure_kind"])
         _fail_single(row, kind)
+
+    member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, kind, single=single)
 
 
 def attempts_left(row: DispatchedJob) -> bool:
@@ -168,17 +168,9 @@ def release_single(rows) -> None:
 
 
 def job_accepted(worker_id: int, job_id: str) -> None:
-    """A single job needs nothing more; a member's acceptance may start its attempt."""
-    # One query tells a member's row from a single's (and from none).
-    held = (
-        DispatchedJob.objects.filter(worker_id=worker_id, job_id=job_id, finished_at__isnull=True)
-        .values_list("cluster_attempt_id")
-        .first()
-    )
-    if held is None:
-        raise NotAllowed(f"{job_id} was not assigned to this worker")
-    if held[0] is not None:
-        member_accepted(worker_id, job_id)
+    """A single job needs nothing more; a member's acceptance may start its attempt. One
+    statement either way (clusters.coordinator.accept_assignment)."""
+    accept_assignment(worker_id, job_id)
 
 
 def job_rejected(worker_id: int, job_id: str, reason: str | None = None) -> None:
