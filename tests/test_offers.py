@@ -1,6 +1,8 @@
 """JobOffer: what a worker is offered, once per job and connection (workers.connection)."""
 
 import pytest
+from django.db import connection as db_connection
+from django.test.utils import CaptureQueriesContext
 
 from gradient.jobs.models import Evaluation
 from tests.factories import (
@@ -11,6 +13,7 @@ from tests.factories import (
     WorkerFactory,
 )
 from workers import connection
+from workers.assignment import candidates, offerable
 from workers.models import JobScore
 
 
@@ -57,3 +60,26 @@ def test_jobs_the_worker_cannot_run_are_not_offered():
     BuildFactory(architecture="riscv64-linux")
     BuildFactory(required_features=["kvm"])
     assert offered(worker) == []
+
+
+@pytest.mark.django_db
+def test_finished_evaluations_are_not_scanned_for_an_eval_slot():
+    """Finished evaluations pile up until garbage collection; the offer and the candidates
+    reach the startable ones through idx-evaluation-startable instead of scanning them."""
+    worker = WorkerFactory()
+    EvaluationFactory.create_batch(3)
+    EvaluationFactory.create_batch(3, status="Fetching")
+    EvaluationFactory.create_batch(3000, status="Completed")
+    with db_connection.cursor() as cursor:
+        cursor.execute("ANALYZE evaluation")
+    for call in (
+        lambda: offered(worker),
+        lambda: candidates(worker, offerable(worker, "eval")),
+    ):
+        with CaptureQueriesContext(db_connection) as captured:
+            call()
+        with db_connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + captured.captured_queries[-1]["sql"])
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert "idx-evaluation-startable" in plan, plan
+        assert "Seq Scan on evaluation" not in plan, plan

@@ -91,11 +91,14 @@ class Evaluation(JobFields):
     class Meta:
         db_table = "evaluation"
         indexes = [
-            # The assignment pass: unfinished evaluations, prioritized first, oldest first.
+            # The assignment pass and the offers: the evaluations that can start (Queued, or
+            # Fetching for the follow-up of a split one), prioritized first, oldest first.
+            # Finished evaluations pile up until garbage collection: without the index, every
+            # RequestJob for an eval slot would scan them all.
             models.Index(
                 fields=["-prioritized", "created_at"],
-                name="idx-evaluation-queued",
-                condition=Q(status="Queued"),
+                name="idx-evaluation-startable",
+                condition=Q(status__in=["Queued", "Fetching"]),
             )
         ]
 
