@@ -10,7 +10,6 @@ import uuid
 
 from django.conf import settings
 from django.db import connection
-from django.utils import timezone
 
 from clusters.claim import fail_prepare_attempt
 from clusters.models import ClusterAttempt, ClusterMember, ClusterStatus
@@ -58,6 +57,9 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
 # - members: once started, each member's (role, index), numbered as
 #   clusters.tracking.role_indexes numbers them, for the roster.
 # A row per seat with its worker when this acceptance started the attempt, else one row.
+# Times are the database's clock as each write happens, after the locks: a time taken before
+# the statement would be older than an acceptance committed while this one waited for the
+# attempt, and the attempt would have started before that member accepted.
 ACCEPT_SQL = """
 WITH held AS (
     SELECT cluster_attempt_id, set_config('lock_timeout', %(lock_timeout)s, true)
@@ -73,18 +75,19 @@ WITH held AS (
     ORDER BY id
     FOR SHARE
 ), accept AS (
-    UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, %(now)s)
+    UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, clock_timestamp())
     WHERE id = (SELECT id FROM seats WHERE mine AND finished_at IS NULL)
     RETURNING id
 ), started AS (
-    UPDATE cluster_attempt SET started_at = %(now)s
+    UPDATE cluster_attempt SET started_at = clock_timestamp()
     WHERE id = (SELECT id FROM attempt) AND started_at IS NULL AND finished_at IS NULL
       AND EXISTS (SELECT 1 FROM accept)
       AND NOT EXISTS (SELECT 1 FROM seats
                       WHERE finished_at IS NOT NULL OR (accepted_at IS NULL AND NOT mine))
     RETURNING cluster_job_id
 ), running AS (
-    UPDATE cluster_job SET status = %(running)s, attempts = attempts + 1, updated_at = %(now)s
+    UPDATE cluster_job SET status = %(running)s, attempts = attempts + 1,
+        updated_at = clock_timestamp()
     WHERE id = (SELECT cluster_job_id FROM started)
     RETURNING id
 ), evaluating AS (
@@ -117,7 +120,6 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
     params = {
         "worker": worker_id,
         "job": job_id,
-        "now": timezone.now(),
         "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
         "running": ClusterStatus.RUNNING.value,
         "eval_to": EvaluationStatus.EVALUATING_FLAKE.value,

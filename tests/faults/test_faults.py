@@ -142,8 +142,12 @@ def attempt_outcome(stack: Stack, attempt: str) -> str | None:
 
 
 def violations(stack: Stack) -> list[str]:
+    # The events first: each was logged before the snapshot, so a StartCluster seen was sent
+    # after its attempt's start committed and the snapshot holds that start. Read after, they
+    # may show an attempt the snapshot still has preparing, or not yet at all.
+    events = read_events(stack.event_files())
     snapshot = stack.retry(lambda: load_snapshot(stack.db()))
-    return check(snapshot, read_events(stack.event_files()), LIMITS, OUTAGES)
+    return check(snapshot, events, LIMITS, OUTAGES)
 
 
 def converge(stack: Stack, healed: datetime) -> tuple[float, list[str]]:
