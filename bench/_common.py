@@ -158,6 +158,8 @@ class Processes:
             f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
             "--websocket_connect_timeout",
             "30",
+            "--websocket_timeout",
+            "-1",
             "gradient.asgi:application",
         )
 
