@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from autobahn.exception import Disconnected
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
-from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -223,13 +222,23 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             previous = await handshake_db(connection.attach)(self.worker_id, self.channel_name)
         self.touched = time.monotonic()
         if previous and previous != self.channel_name:
-            try:
-                await self.channel_layer.send(previous, {"type": "session.replaced"})
-            except ChannelFull:
-                # Best effort, like every send: the old session, if still alive, sees that
-                # it is no longer the live one at its next liveness check and closes.
-                log.warning("could not tell the replaced session of worker %s", self.worker_name)
+            await self.leave_replaced(previous)
         log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
+
+    async def leave_replaced(self, previous: str):
+        """The session this one replaces leaves the worker's group and is told to close. Its
+        own disconnect would do the first, but a session whose daphne was killed never runs
+        it: every send to the worker would also go to its dead channel until the group
+        expires (a day), filling that channel up. Both best effort, like every send: the old
+        session, if still alive, sees that it is no longer the live one at its next liveness
+        check and closes."""
+        try:
+            await self.channel_layer.group_discard(worker_group(self.worker_id), previous)
+            await self.channel_layer.send(previous, {"type": "session.replaced"})
+        except Exception:
+            log.warning(
+                "could not tell the replaced session of worker %s", self.worker_name, exc_info=True
+            )
 
     async def disconnect(self, code):
         self.start_ended()

@@ -39,3 +39,25 @@ async def test_a_live_session_gets_back_into_its_group_after_the_layer_lost_it(
     await layer.group_send(group, {"type": "worker.send", "frame": frame})
     assert (await session.recv_type("Error"))["code"] == "probe"
     await session.close()
+
+
+async def test_a_session_whose_daphne_died_leaves_the_group_when_its_worker_returns(
+    memory_layer,
+):
+    worker = await sync_to_async(WorkerFactory)(name="w", token_hash=hash_token("t"))
+    layer = get_channel_layer()
+    group = worker_group(worker.pk)
+    # What a killed daphne leaves behind: the worker attached to a channel nobody reads, still
+    # in the worker's group.
+    dead = await layer.new_channel()
+    await layer.group_add(group, dead)
+    await sync_to_async(Worker.objects.filter(pk=worker.pk).update)(channel_name=dead)
+
+    session = Session("t")
+    assert (await session.connect())[0]
+    await session.hello()
+    assert dead not in layer.groups.get(group, {})
+    frame = json.dumps({"type": "Error", "code": "probe", "message": "through the group"})
+    await layer.group_send(group, {"type": "worker.send", "frame": frame})
+    assert (await session.recv_type("Error"))["code"] == "probe"
+    await session.close()
