@@ -155,16 +155,25 @@ def _assigned_transition(kind, job_id, status, steps) -> bool:
 
 
 # One statement, outside any transaction: update_or_create would take four round trips
-# (BEGIN, SELECT ... FOR UPDATE, the write, COMMIT) on every unanswered RequestJob.
+# (BEGIN, SELECT ... FOR UPDATE, the write, COMMIT) on every unanswered RequestJob. The slot is
+# recorded only while the worker still has room for the kind: a cluster claim that seated it
+# since the RequestJob counted its assignments (the offer and the candidates come between)
+# has taken the slot, and recording it again would seat the worker twice, a prepare lost.
 RECORD_IDLE_SQL = """
-INSERT INTO idle_slot (worker_id, kind, recorded_at) VALUES (%s, %s, %s)
+INSERT INTO idle_slot (worker_id, kind, recorded_at)
+SELECT w.id, %(kind)s::text, %(now)s FROM worker w
+WHERE w.id = %(worker)s
+  AND (SELECT count(*) FROM dispatched_job d
+       WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL)
+      < CASE WHEN %(kind)s::text = 'build' THEN w.max_concurrent_builds
+             ELSE w.max_concurrent_evals END
 ON CONFLICT (worker_id, kind) DO UPDATE SET recorded_at = EXCLUDED.recorded_at
 """
 
 
 def record_idle(worker_id: int, kind: str) -> None:
     with connection.cursor() as cursor:
-        cursor.execute(RECORD_IDLE_SQL, [worker_id, kind, timezone.now()])
+        cursor.execute(RECORD_IDLE_SQL, {"worker": worker_id, "kind": kind, "now": timezone.now()})
 
 
 def clear_idle(worker_id: int, kind: str | None = None) -> None:
@@ -181,7 +190,7 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
 LOAD_WORKER_SQL = """
 SELECT {columns},
        (SELECT count(*) FROM dispatched_job d
-        WHERE d.worker_id = w.id AND d.kind = %(kind)s AND d.finished_at IS NULL),
+        WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL),
        EXISTS (SELECT 1 FROM reservation_seat s
                JOIN cluster_reservation r ON r.id = s.reservation_id
                WHERE s.worker_id = w.id AND s.kind = %(kind)s AND r.released_at IS NULL)
