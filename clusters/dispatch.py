@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
+from clusters.models import AttemptOutcome
 from clusters.recovery import expire_overdue_prepares
 from clusters.tracking import (
     MemberRow,
@@ -105,6 +106,18 @@ CROSS JOIN LATERAL (
 WHERE top.packed IS NOT NULL
 """
 
+# The workers that did not accept in each cluster's last attempt, when that attempt failed its
+# prepare (planner.Cluster.avoid).
+UNRESPONSIVE_SQL = """
+SELECT last.cluster_job_id, array_agg(d.worker_id)
+FROM (SELECT DISTINCT ON (cluster_job_id) cluster_job_id, id, outcome FROM cluster_attempt
+      WHERE cluster_job_id = ANY(%(clusters)s)
+      ORDER BY cluster_job_id, created_at DESC) last
+JOIN dispatched_job d ON d.cluster_attempt_id = last.id AND d.accepted_at IS NULL
+WHERE last.outcome = %(prepare_failed)s
+GROUP BY last.cluster_job_id
+"""
+
 # How many of each job's cheapest scores a pass reads up front. A member needs k free seats
 # of its own per zone among them; fewer, and the planner reads that job in full.
 CHEAPEST = 128
@@ -164,6 +177,16 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
             )
             for worker_id, project_id in cursor.fetchall():
                 access.setdefault(worker_id, set()).add(project_id)
+        avoid: dict[int, frozenset[int]] = {}
+        if idle and clusters:
+            cursor.execute(
+                UNRESPONSIVE_SQL,
+                {
+                    "clusters": [c.id for c in clusters],
+                    "prepare_failed": AttemptOutcome.PREPARE_FAILED.value,
+                },
+            )
+            avoid = {cluster_id: frozenset(workers) for cluster_id, workers in cursor.fetchall()}
         if idle and keys:
             cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
             for job_id, packed, count in cursor.fetchall():
@@ -173,7 +196,7 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
                     truncated.add(job_id)
                 scores[job_id] = (ids, sizes)
     return planner.Snapshot(
-        clusters=tuple(planned_cluster(c) for c in clusters),
+        clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
         workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
         scores={},
         score_arrays=scores,

@@ -47,6 +47,10 @@ class Cluster:
     id: int
     same_zone: bool
     members: tuple[Member, ...]
+    # Workers that left its last prepare unanswered (a timeout, a reject): seated only when
+    # no placement without them exists, so that one worker that never answers cannot fail
+    # the cluster's every prepare while others could seat it.
+    avoid: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -130,10 +134,24 @@ def plan(snapshot: Snapshot) -> list[Placement]:
 
 
 def _place(cluster: Cluster, pool: "_Pool", scores: "_Scores") -> Placement | None:
-    members = cluster.members
-    if not members:
+    if not cluster.members:
         return None
-    seatable = np.stack([pool.eligible(m) for m in members]) & pool.available
+    seatable = np.stack([pool.eligible(m) for m in cluster.members]) & pool.available
+    if cluster.avoid:
+        columns = pool.column_of(np.fromiter(cluster.avoid, dtype=np.int64))
+        columns = columns[columns >= 0]
+        if columns.size:
+            without = seatable.copy()
+            without[:, columns] = False
+            placement = _place_on(cluster, without, pool, scores)
+            if placement is not None:
+                return placement
+    return _place_on(cluster, seatable, pool, scores)
+
+
+def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_Scores"):
+    """The cheapest placement on the seats that `seatable` (members x columns) allows."""
+    members = cluster.members
     if not seatable.any(axis=1).all():
         return None  # a member without any seat: no need to read the scores
     groups = pool.groups(cluster.same_zone)

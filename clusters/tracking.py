@@ -70,11 +70,12 @@ class StartableCluster:
     waiting_since: datetime | None = None
 
 
-def planned_cluster(cluster: StartableCluster) -> planner.Cluster:
+def planned_cluster(cluster: StartableCluster, avoid: frozenset[int] = frozenset()):
     return planner.Cluster(
         id=cluster.id,
         same_zone=cluster.same_zone,
         members=tuple(m.planned() for m in cluster.members),
+        avoid=avoid,
     )
 
 

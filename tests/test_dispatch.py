@@ -16,6 +16,7 @@ from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
+from workers.assignment import record_idle
 from workers.models import IdleSlot, Worker
 from workers.protocol import MemberRef
 
@@ -314,3 +315,23 @@ def test_a_wake_up_is_worth_a_pass_only_while_a_cluster_waits_for_seats():
     attempt.finished_at = timezone.now()
     attempt.save()
     assert clusters_waiting()  # queued again after a failed prepare
+
+
+def test_after_a_failed_prepare_the_cluster_sits_elsewhere_if_it_can(settings):
+    """A worker that never answers must not fail the cluster's every prepare while other
+    workers could seat it."""
+    settings.GRADIENT = {**settings.GRADIENT, "CLUSTER_RETRY_BACKOFF_SECS": 0}
+    _cluster, workers, _inbox, rows = prepared()
+    answered, silent = rows
+    coordinator.member_accepted(answered.worker_id, answered.job_id)
+    others = idle_workers(2)
+    coordinator.abort_prepare(answered.cluster_attempt_id, "prepare timed out")
+    for w in workers:  # both ask for work again
+        record_idle(w.pk, "eval")
+        record_idle(w.pk, "build")
+    assert len(run_pass().claimed) == 1
+    seated = set(
+        DispatchedJob.objects.filter(finished_at__isnull=True).values_list("worker_id", flat=True)
+    )
+    assert silent.worker_id not in seated
+    assert len(seated) == 2 and seated <= {w.pk for w in [*workers, *others]}

@@ -573,3 +573,15 @@ if __name__ == "__main__":
     for label, s in (("scores (flat)", snap), ("scores_by_job", grouped)):
         wall, cpu, placed = time_plan(s)
         print(f"{label}: {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU, {placed} placed")
+
+
+def test_a_worker_that_left_the_last_prepare_unanswered_is_seated_only_when_needed():
+    a, b = member("a"), member("b")
+    # w1 is the cheapest seat, but it never answered the cluster's last prepare.
+    scores = {(1, a.key): 0, (2, a.key): 100, (3, a.key): 100}
+    avoiding = dataclasses.replace(cluster(a, b), avoid=frozenset({1}))
+    placement = only(plan(snapshot([avoiding], [worker(1), worker(2), worker(3)], scores)))
+    assert 1 not in [seat.worker.id for seat in placement.seats]
+    # With no placement without it, the cluster still sits rather than waits.
+    placement = only(plan(snapshot([avoiding], [worker(1), worker(2)], scores)))
+    assert sorted(seat.worker.id for seat in placement.seats) == [1, 2]
