@@ -366,12 +366,19 @@ def _member_jobs(attempt_id) -> tuple[list, list]:
     return [e for e, _ in rows if e], [b for _, b in rows if b]
 
 
+# What handing members back to the queue moves, by kind: builds still Building (their
+# Assigned transition undone), evaluations still EvaluatingFlake (started with the attempt).
+RELEASED_FROM = {
+    JobKind.BUILD: frozenset({BuildStatus.BUILDING}),
+    JobKind.EVAL: frozenset({EvaluationStatus.EVALUATING_FLAKE}),
+}
+
+
 def release_members(attempt_id) -> None:
-    """Hand the attempt's member jobs back to the queue: builds undo their Assigned
-    transition, started evaluations go back to Queued."""
+    """Hand the attempt's member jobs back to the queue."""
     evaluations, builds = _member_jobs(attempt_id)
-    advance_builds(builds, BuildStatus.QUEUED, {BuildStatus.BUILDING})
-    advance_evaluations(evaluations, EvaluationStatus.QUEUED, {EvaluationStatus.EVALUATING_FLAKE})
+    advance_builds(builds, BuildStatus.QUEUED, RELEASED_FROM[JobKind.BUILD])
+    advance_evaluations(evaluations, EvaluationStatus.QUEUED, RELEASED_FROM[JobKind.EVAL])
 
 
 def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:

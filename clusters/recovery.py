@@ -20,6 +20,7 @@ from django.utils import timezone
 from clusters.claim import (
     ABANDON_ROWS_SQL,
     CLOSE_ATTEMPT_SQL,
+    RELEASED_FROM,
     SET_CLUSTER_SQL,
     bound_lock_waits,
     can_retry,
@@ -28,7 +29,7 @@ from clusters.claim import (
 )
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
-from clusters.verdict import MemberState, Verdict, decide
+from clusters.verdict import ABORTING_FAILURES, MemberState, Verdict, decide
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BUILD_TERMINAL,
@@ -169,14 +170,6 @@ CLUSTER_STATUS = {
     Verdict.FAIL: ClusterStatus.FAILED,
     Verdict.ABORT: ClusterStatus.ABORTED,
 }
-ABORTING_KINDS = frozenset({"aborted", "canceled"})
-# What a retry moves back to Queued (clusters.claim.release_members): builds still Building,
-# evaluations still EvaluatingFlake.
-RELEASED_FROM = {
-    "build": frozenset({BuildStatus.BUILDING}),
-    "eval": frozenset({EvaluationStatus.EVALUATING_FLAKE}),
-}
-
 # Every member row of an attempt with what the verdict reads (its state: key, primary,
 # outcome, failure kind, and dead: its job final or gone) and the attempt and cluster it
 # belongs to, in job-key order. {attempt} is the attempt's id, or REPORTED_ATTEMPT.
@@ -291,12 +284,11 @@ def _dead_statuses() -> list[str]:
     return sorted(EVALUATION_TERMINAL | BUILD_TERMINAL)
 
 
-def member_states(attempt_id) -> tuple[list[MemberState], list[Member]]:
+def attempt_members(attempt_id) -> list[Member]:
     with connection.cursor() as cursor:
         cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, "dead": _dead_statuses()})
         rows = cursor.fetchall()
-    members = Attempt.from_rows(rows).members if rows else []
-    return [m.state for m in members], members
+    return Attempt.from_rows(rows).members if rows else []
 
 
 def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]]:
@@ -307,7 +299,7 @@ def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]
             to_build, to_eval = BuildStatus.QUEUED, EvaluationStatus.QUEUED
         elif m.outcome == "Completed":
             to_build, to_eval = BuildStatus.COMPLETED, EvaluationStatus.COMPLETED
-        elif m.outcome == "Failed" and m.failure_kind not in ABORTING_KINDS:
+        elif m.outcome == "Failed" and m.failure_kind not in ABORTING_FAILURES:
             # Settled for good: a requeueing kind becomes permanent.
             to_build, to_eval = BuildStatus.FAILED_PERMANENT, EvaluationStatus.FAILED
         else:  # a survivor, still running when the attempt was decided
@@ -448,7 +440,7 @@ def abort_attempt(attempt_id, reason: str) -> bool:
         attempt = ClusterAttempt.objects.select_for_update().get(pk=attempt_id)
         if attempt.finished_at is not None:
             return False
-        _, rows = member_states(attempt.pk)
+        rows = attempt_members(attempt.pk)
         survivors = settle(attempt.pk, attempt.cluster_job_id, Verdict.ABORT, rows)
     notify_abort(attempt_id, reason, survivors)
     return True

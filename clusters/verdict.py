@@ -8,6 +8,8 @@ from enum import StrEnum
 
 # A permanent failure cannot succeed on a retry: the member can no longer start.
 FINAL_FAILURES = frozenset({"permanent"})
+# Failures that were an abort or a cancel: their job ends Aborted, not failed.
+ABORTING_FAILURES = frozenset({"aborted", "canceled"})
 
 
 class Verdict(StrEnum):

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from clusters.coordinator import accept_assignment, member_rejected
 from clusters.recovery import member_report
+from clusters.verdict import ABORTING_FAILURES
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BuildStatus,
@@ -34,7 +35,6 @@ from workers.assignment import FETCH_STEPS
 REQUEUEING_FAILURES = frozenset(
     {"transient", "timeout", "substitute_unavailable", "inputs_unavailable", "corrupt_eval_cache"}
 )
-ABORTING_FAILURES = frozenset({"aborted", "canceled"})
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
