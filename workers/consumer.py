@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from autobahn.exception import Disconnected
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -235,6 +236,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         try:
             await self.channel_layer.group_discard(worker_group(self.worker_id), previous)
             await self.channel_layer.send(previous, {"type": "session.replaced"})
+        except ChannelFull:
+            # Nobody reads that channel: its session died with its daphne, nothing to tell.
+            pass
         except Exception:
             log.warning(
                 "could not tell the replaced session of worker %s", self.worker_name, exc_info=True
