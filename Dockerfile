@@ -23,4 +23,4 @@ RUN DJANGO_SECRET_KEY=collectstatic-only .venv/bin/python manage.py collectstati
 ENV PATH="/app/.venv/bin:$PATH"
 USER gradient
 EXPOSE 8000
-CMD ["daphne", "-e", "tcp:port=8000:interface=0.0.0.0:backlog=1024", "--websocket_connect_timeout", "30", "--websocket_timeout", "-1", "gradient.asgi:application"]
+CMD ["python", "-m", "gradient.serve", "-b", "0.0.0.0", "-p", "8000"]

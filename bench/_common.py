@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench"
 DOC = ROOT / "docs" / "benchmarks.md"
-LISTEN_BACKLOG = 1024
 
 
 def setup(database_url: str, redis_db: int) -> None:
@@ -150,17 +149,16 @@ class Processes:
 
     @staticmethod
     def daphne_args(port: int) -> tuple[str, ...]:
-        # The README's command: a listen backlog for a fleet that reconnects all at once, and
-        # time for its handshakes to wait their turn instead of a 403 after 5 s.
+        # The README's command: daphne processes, one per core, on one socket with a listen
+        # backlog for a fleet that reconnects all at once (gradient.serve).
         return (
-            str(VENV_BIN / "daphne"),
-            "-e",
-            f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
-            "--websocket_connect_timeout",
-            "30",
-            "--websocket_timeout",
-            "-1",
-            "gradient.asgi:application",
+            str(VENV_BIN / "python"),
+            "-m",
+            "gradient.serve",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
         )
 
     def daphne(self, port: int) -> subprocess.Popen:
