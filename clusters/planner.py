@@ -13,7 +13,7 @@ a Python loop over pairs, and the solver only sees each member's k cheapest seat
 """
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -121,16 +121,20 @@ def seat_reason(member: Member, worker: Worker) -> str | None:
 
 def plan(snapshot: Snapshot) -> list[Placement]:
     """One placement per cluster that can be fully seated, in the snapshot's cluster order."""
+    return list(placements(snapshot))
+
+
+def placements(snapshot: Snapshot) -> Iterator[Placement]:
+    """plan(), one placement at a time, each final once yielded: the dispatch pass claims the
+    first while the planner seats the next."""
     pool = _Pool(snapshot.workers)
     scores = _Scores(snapshot, pool)
-    placements = []
     for cluster in snapshot.clusters:
         placement = _place(cluster, pool, scores)
         # A cluster without a full placement keeps waiting and takes nothing from the next.
         if placement is not None:
-            placements.append(placement)
             pool.take(placement)
-    return placements
+            yield placement
 
 
 def _place(cluster: Cluster, pool: "_Pool", scores: "_Scores") -> Placement | None:
@@ -175,25 +179,35 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_S
     # since one of its k cheapest seats is always free to move to, so the least cost is the
     # same as over the full list, and so is the seating when only one seating costs that.
     largest = max(row.largest for row in rows)
-    best = None
+    best = None  # (cost, zone, columns, sizes)
+    members_at = np.arange(k)
     for zone, columns in groups:
         cheapest = map(_cheapest, seatable, preferred, repeat(columns), repeat(k))
         shortlist = np.unique(np.concatenate(list(cheapest)))
-        cost = _costs(rows, shortlist, largest)
+        cost, sizes = _costs(rows, shortlist, largest)
         seating = _solve(np.where(seatable[:, shortlist], cost, np.inf))
         if seating is None:
             continue
-        placement = _placement(cluster, zone, shortlist[seating], pool, rows)
+        seated = sizes[members_at, seating].tolist()
+        total = sum(UNSCORED_COST if size < 0 else size for size in seated)
         # Zones come in tie-break order, so only a strictly cheaper zone replaces the best.
-        if best is None or placement.cost < best.cost:
-            best = placement
-    return best
+        if best is None or total < best[0]:
+            best = (total, zone, shortlist[seating], seated)
+    if best is None:
+        return None
+    total, zone, seated_columns, seated_sizes = best
+    seats = tuple(
+        Seat(member, pool.workers[column], None if size < 0 else size)
+        for member, column, size in zip(members, seated_columns.tolist(), seated_sizes, strict=True)
+    )
+    return Placement(cluster.id, zone if cluster.same_zone else None, seats, total)
 
 
-def _costs(rows: list["_Row"], columns: np.ndarray, largest: int) -> np.ndarray:
+def _costs(rows: list["_Row"], columns: np.ndarray, largest: int):
     """Each member's seat costs over the given columns: its missing NAR size where scored,
     else a stand-in dearer than any scored seating. (Where a column is no seat, the solver's
-    matrix gets np.inf: no edge at all; a size of 0 is still an edge.)"""
+    matrix gets np.inf: no edge at all; a size of 0 is still an edge.) And the sizes
+    themselves, -1 where unscored."""
     k = len(rows)
     # Floats add integers exactly below 2**53, so sizes stay exact up to 2**50 / k**2 (64 TiB
     # for 4 members); larger ones are scaled down, which can blur their sums but not the rule
@@ -203,11 +217,12 @@ def _costs(rows: list["_Row"], columns: np.ndarray, largest: int) -> np.ndarray:
     # Sizes are byte counts (>= 0). A stand-in of 2k times the largest makes one more
     # unscored seat dearer than any difference in real sizes, rounding and all.
     cost = np.full((k, columns.size), 2.0 * k * top + 1.0)
-    for line, row in zip(cost, rows, strict=True):
+    sizes = np.full((k, columns.size), -1, dtype=np.int64)
+    for line, sized, row in zip(cost, sizes, rows, strict=True):
         at, found = row.find(columns)
-        sizes = row.by_column_sizes[at[found]]
-        line[found] = sizes * scale if scale != 1.0 else sizes
-    return cost
+        sized[found] = row.by_column_sizes[at[found]]
+        line[found] = sized[found] * scale if scale != 1.0 else sized[found]
+    return cost, sizes
 
 
 def _preferred(seatable: np.ndarray, rows: list["_Row"]) -> list[np.ndarray]:
@@ -245,17 +260,6 @@ def _solve(cost: np.ndarray) -> np.ndarray | None:
     if seated.size != len(cost) or not np.isfinite(cost[seated, columns]).all():
         return None
     return columns
-
-
-def _placement(
-    cluster: Cluster, zone: str | None, seated: np.ndarray, pool: "_Pool", rows: list["_Row"]
-) -> Placement:
-    seats = tuple(
-        Seat(member, pool.workers[column], row.size_at(column))
-        for member, column, row in zip(cluster.members, seated.tolist(), rows, strict=True)
-    )
-    cost = sum(UNSCORED_COST if s.missing_nar_size is None else s.missing_nar_size for s in seats)
-    return Placement(cluster.id, zone if cluster.same_zone else None, seats, cost)
 
 
 class _Pool:
@@ -386,13 +390,9 @@ class _Row(NamedTuple):
 
     def find(self, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each column is in by_column, and whether it is there at all (scored)."""
-        at = np.searchsorted(self.by_column, columns)
+        at = self.by_column.searchsorted(columns)
         at[at == self.by_column.size] = 0
         return at, self.by_column[at] == columns if self.by_column.size else at < 0
-
-    def size_at(self, column: int) -> int | None:
-        at, found = self.find(np.array([column]))
-        return int(self.by_column_sizes[at[0]]) if found[0] else None
 
 
 _NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -400,15 +400,15 @@ _NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 class _Scores:
     """Score rows per job key, read from score_arrays or scores_by_job when given, else
-    regrouped from scores."""
+    regrouped from scores. score_arrays and truncated are only asked about one key at a time,
+    as the planner reaches it, so a snapshot may hand them over while still reading them."""
 
     def __init__(self, snapshot: Snapshot, pool: _Pool):
         self._flat = snapshot.scores
         self._by_job = snapshot.scores_by_job
         self._arrays = snapshot.score_arrays
-        self._truncated = set(snapshot.truncated)
-        if self._truncated:
-            self._arrays = dict(self._arrays or {})  # complete() replaces rows in it
+        self._truncated = snapshot.truncated
+        self._full: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # rows complete() read
         self._load = snapshot.load_scores
         self._pool = pool
         self._rows: dict[str, _Row] = {}
@@ -419,13 +419,17 @@ class _Scores:
     def row(self, key: str) -> _Row:
         row = self._rows.get(key)
         if row is None:
-            if self._arrays is not None:
+            complete = True
+            if key in self._full:
+                ids, sizes = self._full[key]
+            elif self._arrays is not None:
                 ids, sizes = self._arrays.get(key, _NO_SCORES)
+                complete = key not in self._truncated
             else:
                 by_worker = (self._by_job or {}).get(key, {})
                 ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
                 sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
-            row = _row(self._pool.column_of(ids), sizes, key not in self._truncated)
+            row = _row(self._pool.column_of(ids), sizes, complete)
             self._rows[key] = row
         return row
 
@@ -435,8 +439,7 @@ class _Scores:
             raise ValueError("truncated scores without load_scores")
         full = self._load(keys)
         for key in keys:
-            self._arrays[key] = full.get(key, _NO_SCORES)
-            self._truncated.discard(key)
+            self._full[key] = full.get(key, _NO_SCORES)
             self._rows.pop(key, None)
 
 
