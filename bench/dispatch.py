@@ -160,13 +160,18 @@ def reset_for_pass() -> None:
 
 
 class Stopwatch:
-    """Wraps the functions run_pass calls, summing each one's wall time."""
+    """Wraps the functions run_pass calls, summing each one's wall time. The planner is a
+    generator whose placements are claimed in batches on another thread as they come: `plan`
+    is the time spent producing placements, `claims` the claimer thread's time on its batches
+    (overlapping the plan), `wait` the rest of `_claim_all` (mostly waiting for the last
+    batch once the plan is done)."""
 
     PIECES = {
         "expire": "expire_overdue_prepares",
         "book": "startable_clusters",
         "snapshot": "snapshot",
-        "claims": "_claim_all",  # every claim_placement and send_frames of the pass
+        "claim_all": "_claim_all",
+        "claims": "_claim_batch",
     }
 
     def __init__(self):
@@ -176,7 +181,25 @@ class Stopwatch:
         self.saved = []
         for piece, name in self.PIECES.items():
             self._wrap(dispatch, name, piece)
-        self._wrap(dispatch.planner, "plan", "plan")
+        original = dispatch.planner.placements
+        self.saved.append((dispatch.planner, "placements", original))
+
+        def timed_placements(*args, **kwargs):
+            placements = original(*args, **kwargs)
+            while True:
+                began = time.perf_counter()
+                try:
+                    placement = next(placements)
+                except StopIteration:
+                    return
+                finally:
+                    self._add("plan", time.perf_counter() - began)
+                yield placement
+
+        dispatch.planner.placements = timed_placements
+
+    def _add(self, piece: str, secs: float) -> None:
+        self.totals[piece] = self.totals.get(piece, 0.0) + secs
 
     def _wrap(self, module, name, piece):
         original = getattr(module, name)
@@ -187,7 +210,7 @@ class Stopwatch:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.totals[piece] = self.totals.get(piece, 0.0) + time.perf_counter() - began
+                self._add(piece, time.perf_counter() - began)
 
         setattr(module, name, timed)
 
@@ -206,8 +229,12 @@ def time_pass() -> dict:
         total = time.perf_counter() - began
     finally:
         watch.restore()
-    pieces = {piece: watch.totals.get(piece, 0.0) for piece in [*Stopwatch.PIECES, "plan"]}
-    pieces["other"] = total - sum(pieces.values())
+    pieces = {
+        piece: watch.totals.get(piece, 0.0) for piece in ("expire", "book", "snapshot", "plan")
+    }
+    pieces["claims"] = watch.totals.get("claims", 0.0)
+    pieces["wait"] = watch.totals.get("claim_all", 0.0) - pieces["plan"]
+    pieces["other"] = total - sum(pieces.values()) + pieces["claims"]
     return {
         "total": total,
         **pieces,
@@ -240,7 +267,9 @@ def bench_pass(grid: list[tuple[int, int]], repeat: int) -> list[dict]:
             run = time_pass()
             print(
                 f"  pass {i}: {run['total']:.3f} s, {run['claimed']}/{run['ready']} claimed"
-                + "".join(f", {k} {run[k]:.3f}" for k in ("book", "snapshot", "plan", "claims")),
+                + "".join(
+                    f", {k} {run[k]:.3f}" for k in ("book", "snapshot", "plan", "claims", "wait")
+                ),
                 flush=True,
             )
             if i:

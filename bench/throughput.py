@@ -204,7 +204,8 @@ class CpuMeter:
     def __init__(self, procs: common.Processes):
         self.pids = {"daphne": [], "celery": []}
         for proc, _ in procs.procs:
-            self.pids["daphne" if "daphne" in proc.args[0] else "celery"].append(proc.pid)
+            web = "gradient.serve" in proc.args or "daphne" in proc.args[0]
+            self.pids["daphne" if web else "celery"].append(proc.pid)
 
     def _sample(self, backends) -> dict:
         out = {name: sum(map(cpu_secs, pids)) for name, pids in self.pids.items()}

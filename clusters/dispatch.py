@@ -9,15 +9,20 @@ could only lose its claims.
 """
 
 import logging
+import threading
 import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import batched
 from typing import NamedTuple
 
 import numpy as np
 import redis
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from clusters import planner, reservation
@@ -157,15 +162,124 @@ class _IdleWorker(NamedTuple):
     kinds: list[str]
 
 
-def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snapshot:
+@contextmanager
+def _own_connection():
+    """Work on a pass's thread, with that thread's own connection: dropped before if it broke
+    or aged out, and after if it aged out meanwhile (CONN_MAX_AGE), as Django does around a
+    request."""
+    close_old_connections()
+    try:
+        yield
+    finally:
+        close_old_connections()
+
+
+# Keys per read of CHEAPEST_SCORES_SQL: the first clusters' scores arrive after one small read.
+SCORE_CHUNK = 256
+# The cheapest scores are read on a thread of their own, with its own database connection,
+# while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
+# work, planning is Python's, and on a machine of two cores the one need not wait for the other.
+_score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
+
+
+class CheapestScores(Mapping):
+    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
+    keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
+    `truncated` tells (waiting likewise) whether a key has more scores than were read."""
+
+    def __init__(self, keys: list[str]):
+        self._keys = keys
+        self._chunk_of = {key: i // SCORE_CHUNK for i, key in enumerate(keys)}
+        self._read = [threading.Event() for _ in range(0, len(keys), SCORE_CHUNK)]
+        self._whole = [False] * len(self._read)  # chunks read to the end
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._truncated: set[str] = set()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._future = None
+        self.truncated = _Truncated(self)
+
+    def read(self) -> None:
+        """Read every chunk in order (on the calling thread)."""
+        try:
+            with connection.cursor() as cursor:
+                for chunk, ready in enumerate(self._read):
+                    if self._stop:
+                        raise RuntimeError("the pass stopped reading scores")
+                    keys = self._keys[chunk * SCORE_CHUNK : (chunk + 1) * SCORE_CHUNK]
+                    cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
+                    for job_id, packed, count in cursor.fetchall():
+                        ids, sizes = _unpack(packed)
+                        if count > CHEAPEST:
+                            ids, sizes = ids[:CHEAPEST], sizes[:CHEAPEST]
+                            self._truncated.add(job_id)
+                        self._arrays[job_id] = (ids, sizes)
+                    self._whole[chunk] = True
+                    ready.set()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            for ready in self._read:
+                ready.set()  # a reader that failed leaves nobody waiting: they see the error
+
+    def start(self) -> "CheapestScores":
+        """Read on the scores' thread (and its connection) from now on."""
+
+        def on_thread():
+            with _own_connection():
+                self.read()
+
+        self._future = _score_reader.submit(on_thread)
+        return self
+
+    def finish(self) -> None:
+        """Stop reading (if still at it) and wait for the reader: a pass ends with its reads."""
+        self._stop = True
+        if self._future is not None:
+            wait([self._future])
+
+    def wait_for(self, key: str) -> None:
+        chunk = self._chunk_of.get(key)
+        if chunk is not None:
+            self._read[chunk].wait()
+            if not self._whole[chunk]:
+                raise RuntimeError("reading the cheapest scores failed") from self._error
+
+    def __getitem__(self, key: str):
+        self.wait_for(key)
+        return self._arrays[key]
+
+    def __iter__(self):
+        for key in self._keys:
+            self.wait_for(key)
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        for key in self._keys:
+            self.wait_for(key)
+        return len(self._arrays)
+
+
+class _Truncated:
+    def __init__(self, scores: CheapestScores):
+        self._scores = scores
+
+    def __contains__(self, key) -> bool:
+        self._scores.wait_for(key)
+        return key in self._scores._truncated
+
+
+def snapshot(
+    clusters: list[StartableCluster], now, reserved=(), *, stream: bool = False
+) -> planner.Snapshot:
     """What the planner needs, read in a few queries of plain rows: the connected workers
     with a live idle slot (but for the `reserved` ones), and each member job's cheapest
-    scores, with a loader for the rest (all_scores)."""
+    scores, with a loader for the rest (all_scores). With `stream`, the scores are still being
+    read on their own thread when this returns (CheapestScores.finish waits for the reader)."""
     ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     keys = [m.key for c in clusters for m in c.members]
     access: dict[int, set[int]] = {}
-    scores: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    truncated: set[str] = set()
     with connection.cursor() as cursor:
         cursor.execute(IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved)})
         idle = [_IdleWorker._make(row) for row in cursor.fetchall()]
@@ -187,20 +301,18 @@ def snapshot(clusters: list[StartableCluster], now, reserved=()) -> planner.Snap
                 },
             )
             avoid = {cluster_id: frozenset(workers) for cluster_id, workers in cursor.fetchall()}
-        if idle and keys:
-            cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
-            for job_id, packed, count in cursor.fetchall():
-                ids, sizes = _unpack(packed)
-                if count > CHEAPEST:
-                    ids, sizes = ids[:CHEAPEST], sizes[:CHEAPEST]
-                    truncated.add(job_id)
-                scores[job_id] = (ids, sizes)
+    scores = CheapestScores(keys if idle else [])
+    if stream and not connection.in_atomic_block:
+        scores.start()
+    else:
+        # Inside a transaction of the caller's (tests), whose rows no other connection sees.
+        scores.read()
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
         workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
         scores={},
         score_arrays=scores,
-        truncated=frozenset(truncated),
+        truncated=scores.truncated,
         load_scores=all_scores,
     )
 
@@ -295,24 +407,53 @@ def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
 # commits, so the first seats hear of their claim after one batch, not after the pass.
 CLAIM_BATCH = 128
 
+# The batches are claimed on a thread of their own, with its own database connection, while
+# the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner is
+# Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
+# One thread, so the batches claim in the planner's order: prioritized clusters first.
+_claimer = ThreadPoolExecutor(1, thread_name_prefix="claims")
 
-def _claim_all(placements: list[planner.Placement], rows: dict, since) -> set[int]:
-    """Claim every placement and send the AssignJobs of those won; the clusters claimed."""
-    claimed: set[int] = set()
-    for at in range(0, len(placements), CLAIM_BATCH):
-        batch = [
-            (placement, *_cluster_claim(placement, rows, since))
-            for placement in placements[at : at + CLAIM_BATCH]
-        ]
-        won = claim_clusters([claim for _, claim, _ in batch])
-        frames = []
-        for (placement, claim, members), ok in zip(batch, won, strict=True):
-            if ok:
-                frames += _frames(placement, claim, members)
-                claimed.add(placement.cluster_id)
-        if frames:
-            send_frames(frames)
+
+def _claim_batch(placements: tuple[planner.Placement, ...], rows: dict, since) -> set[int]:
+    """Claim the placements and send the AssignJobs of those won; the clusters claimed."""
+    batch = [(placement, *_cluster_claim(placement, rows, since)) for placement in placements]
+    won = claim_clusters([claim for _, claim, _ in batch])
+    frames, claimed = [], set()
+    for (placement, claim, members), ok in zip(batch, won, strict=True):
+        if ok:
+            frames += _frames(placement, claim, members)
+            claimed.add(placement.cluster_id)
+    if frames:
+        send_frames(frames)
     return claimed
+
+
+def _claim_on_thread(placements, rows: dict, since) -> set[int]:
+    with _own_connection():
+        return _claim_batch(placements, rows, since)
+
+
+def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
+    """Claim the placements in batches as the planner yields them; every placement, and the
+    clusters claimed. Inside a transaction of the caller's (tests), whose rows no other
+    connection sees, the batches are claimed on the caller's connection instead."""
+    inline = connection.in_atomic_block
+    placed: list[planner.Placement] = []
+    claimed: set[int] = set()
+    pending = []
+    try:
+        for batch in batched(placements, CLAIM_BATCH):
+            placed += batch
+            if inline:
+                claimed |= _claim_batch(batch, rows, since)
+            else:
+                pending.append(_claimer.submit(_claim_on_thread, batch, rows, since))
+    finally:
+        # Even when planning failed: the pass ends (and lets the next one in) after its claims.
+        wait(pending)
+    for future in pending:
+        claimed |= future.result()
+    return placed, claimed
 
 
 def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | None:
@@ -367,10 +508,13 @@ def run_pass(wait: bool = False) -> PassResult:
         rows = {m.key: m for c in ready for m in c.members}
         if ready:
             # Other clusters plan over the unreserved idle workers.
-            placements = planner.plan(snapshot(ready, now, reservation.reserved_workers()))
-            result.placed = len(placements)
-            claimed = _claim_all(placements, rows, since)
-            result.claimed = [p.cluster_id for p in placements if p.cluster_id in claimed]
+            seen = snapshot(ready, now, reservation.reserved_workers(), stream=True)
+            try:
+                placed, claimed = _claim_all(planner.placements(seen), rows, since)
+            finally:
+                seen.score_arrays.finish()
+            result.placed = len(placed)
+            result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
         result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
     finally:
         with connection.cursor() as cursor:
