@@ -8,6 +8,7 @@ any number of processes can claim at once and at most one row per job key is eve
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
@@ -39,8 +40,9 @@ class ClaimGate:
     job: uuid.UUID
     substitute: bool = False
 
-    @property
+    @cached_property
     def key(self) -> str:
+        # Cached: a batch of claims sorts and matches its members by key several times over.
         return job_key(self.kind, self.job)
 
     def condition(self) -> tuple[str, list]:
