@@ -70,10 +70,16 @@ DATABASES["default"]["OPTIONS"].setdefault(
         env.int("GRADIENT_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=60_000)
     ),
 )
-# Parameters bound by PostgreSQL, not spliced into the text: a statement run again on the same
-# connection is then prepared once (psycopg's prepare_threshold) instead of parsed and
-# planned on every frame.
+# Parameters bound by PostgreSQL, not spliced into the text; and a statement run a fifth time
+# on a connection is prepared there (psycopg's prepare_threshold), so it is no longer parsed
+# and planned on every frame. Django turns preparing off unless asked (for poolers in
+# transaction mode, which this service does not use): without it, planning was most of
+# PostgreSQL's time in a reconnect storm. GRADIENT_PREPARE_THRESHOLD=0 (or behind such a
+# pooler) turns it off again.
 DATABASES["default"]["OPTIONS"].setdefault("server_side_binding", True)
+DATABASES["default"]["OPTIONS"].setdefault(
+    "prepare_threshold", env.int("GRADIENT_PREPARE_THRESHOLD", default=5) or None
+)
 # Sessions and passes query constantly: reuse connections rather than open one per call.
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=300)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
