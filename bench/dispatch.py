@@ -134,6 +134,9 @@ def populate(clusters: int, workers: int) -> dict:
         # As autovacuum leaves it: the visibility map set, so index-only scans stay so.
         cursor.execute("VACUUM ANALYZE job_score")
         cursor.execute("ANALYZE")
+        # Millions of rows just written leave the checkpointer flushing them for minutes, and
+        # passes timed meanwhile share the disk with it; a service would have long since.
+        cursor.execute("CHECKPOINT")
     return {"scores": scores}
 
 
@@ -349,7 +352,9 @@ def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
         " the reservation pass and the rest. The pass is the sum of every column but `claims`."
         f" Medians over {repeat} passes after a warm-up pass, each pass starting from the same"
         " state (every claim undone, every idle slot fresh; `job_score` vacuumed once after it"
-        " is written, as autovacuum would). Where the time goes: the reader's queries take the"
+        " is written, as autovacuum would, and a checkpoint taken, as the checkpointer would:"
+        " passes timed while it still flushed the 4 million new rows took half again as"
+        " long). Where the time goes: the reader's queries take the"
         " 129 cheapest scores of each member job from `idx-job_score-job-size` alone (about"
         " half a million index entries at 1,000 x 5,000, not 4 million rows); the plan is a few"
         " numpy operations per cluster plus, late in the pass when the cheapest workers are"
@@ -359,10 +364,13 @@ def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
         " JSON document per statement, and the deferred foreign key checks at each commit, then"
         " the AssignJob frames built in Python. Run one after another on one connection, the"
         " same pieces took about 1.2 s at 1,000 x 5,000 on this machine: the threads let"
-        " PostgreSQL read and write on one core while the planner runs on the other. Statements"
-        " are prepared by PostgreSQL once a connection has run them five times (server-side"
-        " binding): with parameters spliced into the text on the client, every statement was"
-        " parsed and planned afresh and the same pass took 5.6 s. Target: under"
+        " PostgreSQL read and write on one core while the planner runs on the other."
+        " Parameters are bound by PostgreSQL (server-side binding) and a statement is prepared"
+        " once a connection has run it five times (docs/design.md): with parameters spliced"
+        " into the text on the client, every statement was parsed and planned afresh and the"
+        " same pass took 5.6 s. The machine's speed drifts (the same planner run alone took"
+        " 0.19 s at one hour and 0.30 s at the next), so the load average is recorded and the"
+        " figures are medians. Target: under"
         " 1 s at 1,000 x 4 over 5,000 workers.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
         f"- Machine: {common.machine()} on the same host over TCP, shared with other work"

@@ -1,13 +1,14 @@
-"""A connection storm: 1,000 reference workers connect at once to one daphne, then daphne is
-killed and started again on the same port and they all come back.
+"""A connection storm: 1,000 reference workers connect at once to the web process (the
+README's command: gradient.serve, a daphne per core on one socket), then it is killed and
+started again on the same port and they all come back.
 
     .venv/bin/python bench/storm.py [--workers N] [--restarts N] [--write docs/benchmarks.md]
 
 One process runs every worker (a Fleet of SimulatedWorkers, real WebSockets, ramp 0) against
-one daphne started as a subprocess. Measured: the time until every worker has its InitAck;
-after each restart (SIGKILL, then the same daphne command on the same port), the time until
-every worker has an InitAck on its new connection. daphne's log is checked for consumers that
-crashed ("Exception inside application", tracebacks).
+the web process started as a subprocess. Measured: the time until every worker has its
+InitAck; after each restart (SIGKILL of the launcher and its daphnes, then the same command on
+the same port), the time until every worker has an InitAck on its new connection. daphne's log
+is checked for consumers that crashed ("Exception inside application", tracebacks).
 
 It uses its own database (--database, default gradient_bench; created and migrated when
 missing, emptied at the start) and Redis database 10.
@@ -188,39 +189,38 @@ def section(command: str, r: dict) -> str:
         f"{SECTION}\n\n"
         f"{r['workers']:,} reference workers (`Fleet` of `SimulatedWorker` in one process, real"
         " WebSockets, `ramp_secs=0`, the shipped `WorkerConfig`: reconnect backoff 0.1 s doubling"
-        " to 2 s, jittered) connect at once to one daphne (a subprocess on the bench database and"
-        " Redis database 10; no Celery, so the dispatch wake-ups just queue). First row: from the"
-        " fleet's start until every worker has its InitAck (each session also sends its"
-        " RequestJobs and answers its JobOffer meanwhile). Then daphne is killed with SIGKILL and"
-        " the same command started again on the same port; each restart row is from that start"
-        " until every worker has an InitAck on a new connection (daphne's own start-up, Django"
-        " imports and all, is included: the time it took to listen is in the event column)."
-        " Median and p95 are over the workers' own first InitAck. Consumers that crashed"
-        f" (`Exception inside application` in daphne's log): {len(r['crashes'])}; tracebacks"
-        f" of any kind there (warnings logged with their exception too): {r['tracebacks']}."
-        " daphne is the README's command, listening with a backlog of 1,024 (with `-b`/`-p`,"
-        " Twisted's 50 made the kernel drop most of a storm's connection attempts, which TCP"
-        " retried a second or more later). Where the time goes (py-spy on daphne; CPU time per"
-        " session from /proc, on a shared machine, so rough): a start up to InitAck is four"
-        " statements (authenticate; attach, one statement also for a worker whose session"
-        " died with the killed daphne; the capabilities, one statement; the offer, one"
+        " to 2 s, jittered) connect at once to the web process (the README's command,"
+        " `python -m gradient.serve`: one daphne per core, 2 here, on one socket; a subprocess"
+        " on the bench database and Redis database 10; no Celery, so the dispatch wake-ups just"
+        " queue). First row: from the fleet's start until every worker has its InitAck (each"
+        " session also sends its RequestJobs and answers its JobOffer meanwhile). Then the web"
+        " process and its daphnes are killed with SIGKILL and the same command started again on"
+        " the same port; each restart row is from that start until every worker has an InitAck"
+        " on a new connection (the daphnes' own start-up, Django imports and all, is included)."
+        " The launcher binds the socket before the daphnes import anything (the event column's"
+        " 'listening' is that): workers reconnecting meanwhile wait in its listen queue"
+        " (backlog 1,024) instead of being refused and backing off. Median and p95 are over the"
+        " workers' own first InitAck. Consumers that crashed (`Exception inside application` in"
+        f" daphne's log): {len(r['crashes'])}; tracebacks of any kind there (warnings logged"
+        f" with their exception too): {r['tracebacks']}. Where the time goes (CPU time from"
+        " /proc, PostgreSQL's statements from its log, py-spy on daphne): a start up to InitAck"
+        " is four statements (authenticate; attach, one statement also for a worker whose"
+        " session died with the killed daphne; the capabilities, one statement; the offer, one"
         " statement for both kinds), the first three on threads of their own, pinned in"
-        " tests/sessions/test_session_start_cost.py; a reused database connection is"
-        " health-checked at most once a second, not before every call. While many starts are"
-        " pending, the other frames (RequestJobs) wait up to 5 s, so the InitAcks go first."
-        " Each start also joins the worker's group on Redis; a Redis too slow to connect to"
-        " within 5 s (starved of CPU) no longer crashes the start: the join is retried at the"
-        " session's next touch."
-        " What is left once daphne listens, about 6 s for 1,000 sessions, is one daphne"
-        " process doing every handshake (Twisted and autobahn), every session start and the"
-        " sessions' first RequestJobs, its threads mostly waiting on PostgreSQL on the same two"
-        " cores; py-spy saw daphne holding the GIL about half the time, so more threads did"
-        " not help, and several daphne processes on one socket are the likely next step."
-        " A restarted daphne listens after importing Django, the project and Twisted, about"
-        " 2 s of CPU once bytecode is compiled (bin/setup compiles it; with"
-        " PYTHONDONTWRITEBYTECODE set every start compiled every module, 8 s of CPU), and"
-        " scipy is imported only when a pass needs it; meanwhile the fleet retries every"
-        " 0.1 s doubling to 2 s, so the last workers arrive up to 2 s after daphne listens."
+        " tests/sessions/test_session_start_cost.py. While many starts are pending, the other"
+        " frames (RequestJobs) wait up to 5 s, so the InitAcks go first. Per restart the"
+        " daphnes spent about 8 s of CPU (handshakes, Twisted and autobahn, the sessions'"
+        " frames), PostgreSQL about 2 s, the fleet about 1.5 s: the two cores are full. Three"
+        " changes brought a restart from about 8 s to under 5 on this machine: each"
+        " reconnecting worker's dead previous channel, full since its daphne died, was logged"
+        " with a traceback (about 2,700 per storm); one daphne held one GIL while the other"
+        " core idled (now one per core); and no statement was ever prepared (Django turns"
+        " psycopg's preparing off unless asked), so PostgreSQL planned every statement afresh:"
+        " planning took 4 times as long as executing, and PostgreSQL's CPU per restart fell"
+        " from about 7 s to about 2 s once statements were prepared. A restarted daphne is"
+        " ready after importing Django, the project and Twisted, about 1 s of CPU once"
+        " bytecode is compiled (bin/setup compiles it), and scipy is imported only when a pass"
+        " needs it."
         " daphne waits up to 30 s for a session to accept its handshake"
         " (`--websocket_connect_timeout 30` in the README's command): with its default of 5 s,"
         " the handshakes still in line after 5 s were refused with a 403, which the reference"

@@ -69,6 +69,10 @@ def counting_worker_class(tally: Tally):
             self_kind = "member" if job.attempt is not None else "single"
             tally.starts[self_kind].append(time.monotonic())
 
+        async def _on_offer(self, offer):
+            tally.events["offered_pairs"] += len(offer.jobs)  # (worker, job) pairs to score
+            await super()._on_offer(offer)
+
         def _record(self, event: str, **fields):
             # Only counted: the fleet's own CPU is the bench's too, and a dict and a
             # timestamp per event for 500 workers add up.
@@ -329,6 +333,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
         "single_rate": singles / secs,
         "members": members,
         "singles": singles,
+        "offered_rate": during.get("offered_pairs", 0) / secs,
         "failed": during.get("failed", 0),
         "rejected": during.get("rejected", 0),
         "released": during.get("released_hold", 0),
@@ -394,6 +399,8 @@ HEADER = [
     "member starts/s",
     "single starts/s",
     "total starts/s",
+    "(worker, job) pairs offered/s",
+    "CPU ms per start",
     "jobs failed",
     "prepares failed",
     "smallest queue: singles, clusters",
@@ -408,6 +415,7 @@ def rows(results: list[dict]) -> list[list]:
     largest = max(r["workers"] for r in results)
     for r in results:
         jobs, attempts = r["outcomes"]["jobs"], r["outcomes"]["attempts"]
+        starts = r["member_rate"] + r["single_rate"]
         target = ""
         if r["workers"] == largest:
             met = "✓" if r["member_rate"] >= TARGET_MEMBER_STARTS else "✗"
@@ -419,6 +427,8 @@ def rows(results: list[dict]) -> list[list]:
                 f"{r['member_rate']:.1f}",
                 f"{r['single_rate']:.1f}",
                 f"{r['member_rate'] + r['single_rate']:.1f}",
+                f"{r['offered_rate']:,.0f}",
+                f"{1000 * sum(r['cpu'].values()) / r['window'] / max(starts, 1e-9):.0f}",
                 jobs.get("Failed", 0),
                 attempts.get("PrepareFailed", 0),
                 f"{r['low']['singles']}, {r['low']['clusters']}",
