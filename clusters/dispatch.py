@@ -111,16 +111,18 @@ CROSS JOIN LATERAL (
 WHERE top.packed IS NOT NULL
 """
 
-# The workers that did not accept in each cluster's last attempt, when that attempt failed its
-# prepare (planner.Cluster.avoid).
+# The workers that did not accept in any of each cluster's failed prepares since its last
+# attempt that started (planner.Cluster.avoid). Not the last prepare's alone: with two workers
+# that never answer, the cluster went back and forth between them, one timeout after another.
 UNRESPONSIVE_SQL = """
-SELECT last.cluster_job_id, array_agg(d.worker_id)
-FROM (SELECT DISTINCT ON (cluster_job_id) cluster_job_id, id, outcome FROM cluster_attempt
-      WHERE cluster_job_id = ANY(%(clusters)s)
-      ORDER BY cluster_job_id, created_at DESC) last
-JOIN dispatched_job d ON d.cluster_attempt_id = last.id AND d.accepted_at IS NULL
-WHERE last.outcome = %(prepare_failed)s
-GROUP BY last.cluster_job_id
+SELECT a.cluster_job_id, array_agg(DISTINCT d.worker_id)
+FROM cluster_attempt a
+JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.accepted_at IS NULL
+WHERE a.cluster_job_id = ANY(%(clusters)s) AND a.outcome = %(prepare_failed)s
+  AND a.created_at > COALESCE((SELECT max(s.created_at) FROM cluster_attempt s
+                               WHERE s.cluster_job_id = a.cluster_job_id
+                                 AND s.started_at IS NOT NULL), '-infinity')
+GROUP BY a.cluster_job_id
 """
 
 # How many of each job's cheapest scores a pass reads up front. A member needs k free seats

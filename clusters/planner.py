@@ -47,9 +47,9 @@ class Cluster:
     id: int
     same_zone: bool
     members: tuple[Member, ...]
-    # Workers that left its last prepare unanswered (a timeout, a reject): seated only when
-    # no placement without them exists, so that one worker that never answers cannot fail
-    # the cluster's every prepare while others could seat it.
+    # Workers that left one of its prepares unanswered (a timeout, a reject) since it last
+    # started: seated only when no placement without them exists, so that workers that never
+    # answer cannot fail the cluster's every prepare while others could seat it.
     avoid: frozenset[int] = frozenset()
 
 

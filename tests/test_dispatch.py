@@ -335,3 +335,36 @@ def test_after_a_failed_prepare_the_cluster_sits_elsewhere_if_it_can(settings):
     )
     assert silent.worker_id not in seated
     assert len(seated) == 2 and seated <= {w.pk for w in [*workers, *others]}
+
+
+def test_every_worker_silent_since_the_last_start_is_avoided_not_only_the_last_ones(settings):
+    """Two workers that never answer: avoiding only the last prepare's silent worker sent the
+    cluster back and forth between them."""
+    settings.GRADIENT = {**settings.GRADIENT, "CLUSTER_RETRY_BACKOFF_SECS": 0}
+
+    def fail_prepare(answering):
+        rows = list(DispatchedJob.objects.filter(finished_at__isnull=True))
+        silent = [r.worker_id for r in rows if r.worker_id != answering.pk]
+        for row in rows:
+            if row.worker_id == answering.pk:
+                coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.abort_prepare(rows[0].cluster_attempt_id, "prepare timed out")
+        return silent
+
+    _cluster, (answering, first), _inbox, _rows = prepared()
+    assert fail_prepare(answering) == [first.pk]
+    [second] = idle_workers(1)  # only the answering worker and a new one are idle
+    for kind in ("eval", "build"):
+        record_idle(answering.pk, kind)
+    assert len(run_pass().claimed) == 1
+    assert fail_prepare(answering) == [second.pk]
+    others = idle_workers(2)
+    for w in (answering, first, second):
+        for kind in ("eval", "build"):
+            record_idle(w.pk, kind)
+    assert len(run_pass().claimed) == 1
+    seated = set(
+        DispatchedJob.objects.filter(finished_at__isnull=True).values_list("worker_id", flat=True)
+    )
+    assert seated.isdisjoint({first.pk, second.pk})
+    assert len(seated) == 2 and seated <= {answering.pk, *(w.pk for w in others)}
