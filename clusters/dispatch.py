@@ -9,26 +9,24 @@ could only lose its claims.
 """
 
 import logging
-import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import batched
 from typing import NamedTuple
 
-import numpy as np
 import redis
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
 from clusters.models import AttemptOutcome
 from clusters.recovery import expire_overdue_prepares
+from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
     StartableCluster,
@@ -76,41 +74,6 @@ GROUP BY w.id
 ORDER BY w.id
 """
 
-# Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
-# more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
-# pairs: an index-only scan of a few hundred entries per job instead of every score. The
-# planner reads the rest of a job only when too few of its cheapest are left to decide
-# (load_scores). Scores of workers without an idle slot come along and are dropped by the
-# planner: filtering on the idle ones here costs more than it saves, though in a fleet where
-# most workers are busy it makes the planner read more jobs in full.
-CHEAPEST_SCORES_SQL = """
-SELECT k.key, top.packed, top.n
-FROM unnest(%(keys)s::text[]) AS k(key)
-CROSS JOIN LATERAL (
-    SELECT string_agg(int8send(c.worker_id) || int8send(c.missing_nar_size), ''::bytea)
-               AS packed,
-           count(*) AS n
-    FROM (SELECT s.worker_id, s.missing_nar_size FROM job_score s
-          WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
-          ORDER BY s.missing_nar_size, s.worker_id
-          LIMIT %(limit)s + 1) c
-) top
-WHERE top.n > 0
-"""
-
-# Every answered score of some jobs (the planner drops those of workers it does not know),
-# each job's from the index alone. No filter on the idle workers: binding thousands of ids
-# costs more per query than the few extra rows do.
-ALL_SCORES_SQL = """
-SELECT k.key, top.packed
-FROM unnest(%(keys)s::text[]) AS k(key)
-CROSS JOIN LATERAL (
-    SELECT string_agg(int8send(s.worker_id) || int8send(s.missing_nar_size), ''::bytea) AS packed
-    FROM job_score s WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
-) top
-WHERE top.packed IS NOT NULL
-"""
-
 # The workers that did not accept in any of each cluster's failed prepares since its last
 # attempt that started (planner.Cluster.avoid). Not the last prepare's alone: with two workers
 # that never answer, the cluster went back and forth between them, one timeout after another.
@@ -124,30 +87,6 @@ WHERE a.cluster_job_id = ANY(%(clusters)s) AND a.outcome = %(prepare_failed)s
                                  AND s.started_at IS NOT NULL), '-infinity')
 GROUP BY a.cluster_job_id
 """
-
-# How many of each job's cheapest scores a pass reads up front. A member needs k free seats
-# of its own per zone among them; fewer, and the planner reads that job in full.
-CHEAPEST = 128
-
-
-def _unpack(packed: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(worker ids, sizes) sorted by (size, worker id), as the planner needs them to tell that
-    a job's cheapest are a prefix of its full list."""
-    pairs = np.frombuffer(packed, dtype=">i8").reshape(-1, 2)
-    ids, sizes = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
-    ordered = (np.diff(sizes) > 0) | ((np.diff(sizes) == 0) & (np.diff(ids) > 0))
-    if not ordered.all():
-        order = np.lexsort((ids, sizes))
-        ids, sizes = ids[order], sizes[order]
-    return ids, sizes
-
-
-def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
-    with connection.cursor() as cursor:
-        cursor.execute(ALL_SCORES_SQL, {"keys": keys})
-        rows = cursor.fetchall()
-    return {job_id: _unpack(packed) for job_id, packed in rows}
 
 
 class _IdleWorker(NamedTuple):
@@ -164,121 +103,13 @@ class _IdleWorker(NamedTuple):
     kinds: list[str]
 
 
-@contextmanager
-def _own_connection():
-    """Work on a pass's thread, with that thread's own connection: dropped before if it broke
-    or aged out, and after if it aged out meanwhile (CONN_MAX_AGE), as Django does around a
-    request."""
-    close_old_connections()
-    try:
-        yield
-    finally:
-        close_old_connections()
-
-
-# Keys per read of CHEAPEST_SCORES_SQL: the first clusters' scores arrive after one small read.
-SCORE_CHUNK = 256
-# The cheapest scores are read on a thread of their own, with its own database connection,
-# while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
-# work, planning is Python's, and on a machine of two cores the one need not wait for the other.
-_score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
-
-
-class CheapestScores(Mapping):
-    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
-    keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
-    `truncated` tells (waiting likewise) whether a key has more scores than were read."""
-
-    def __init__(self, keys: list[str]):
-        self._keys = keys
-        self._chunk_of = {key: i // SCORE_CHUNK for i, key in enumerate(keys)}
-        self._read = [threading.Event() for _ in range(0, len(keys), SCORE_CHUNK)]
-        self._whole = [False] * len(self._read)  # chunks read to the end
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._truncated: set[str] = set()
-        self._error: BaseException | None = None
-        self._stop = False
-        self._future = None
-        self.truncated = _Truncated(self)
-
-    def read(self) -> None:
-        """Read every chunk in order (on the calling thread)."""
-        try:
-            with connection.cursor() as cursor:
-                for chunk, ready in enumerate(self._read):
-                    if self._stop:
-                        raise RuntimeError("the pass stopped reading scores")
-                    keys = self._keys[chunk * SCORE_CHUNK : (chunk + 1) * SCORE_CHUNK]
-                    cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
-                    for job_id, packed, count in cursor.fetchall():
-                        ids, sizes = _unpack(packed)
-                        if count > CHEAPEST:
-                            ids, sizes = ids[:CHEAPEST], sizes[:CHEAPEST]
-                            self._truncated.add(job_id)
-                        self._arrays[job_id] = (ids, sizes)
-                    self._whole[chunk] = True
-                    ready.set()
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            for ready in self._read:
-                ready.set()  # a reader that failed leaves nobody waiting: they see the error
-
-    def start(self) -> "CheapestScores":
-        """Read on the scores' thread (and its connection) from now on."""
-
-        def on_thread():
-            with _own_connection():
-                self.read()
-
-        self._future = _score_reader.submit(on_thread)
-        return self
-
-    def finish(self) -> None:
-        """Stop reading (if still at it) and wait for the reader: a pass ends with its reads."""
-        self._stop = True
-        if self._future is not None:
-            wait([self._future])
-
-    def wait_for(self, key: str) -> None:
-        chunk = self._chunk_of.get(key)
-        if chunk is not None:
-            self._read[chunk].wait()
-            if not self._whole[chunk]:
-                raise RuntimeError("reading the cheapest scores failed") from self._error
-
-    def __getitem__(self, key: str):
-        self.wait_for(key)
-        return self._arrays[key]
-
-    def __iter__(self):
-        for key in self._keys:
-            self.wait_for(key)
-        return iter(self._arrays)
-
-    def __len__(self) -> int:
-        for key in self._keys:
-            self.wait_for(key)
-        return len(self._arrays)
-
-
-class _Truncated:
-    def __init__(self, scores: CheapestScores):
-        self._scores = scores
-
-    def __contains__(self, key) -> bool:
-        self._scores.wait_for(key)
-        return key in self._scores._truncated
-
-
 def snapshot(
     clusters: list[StartableCluster], now, reserved=(), *, stream: bool = False
 ) -> planner.Snapshot:
     """What the planner needs, read in a few queries of plain rows: the connected workers
     with a live idle slot (but for the `reserved` ones), and each member job's cheapest
-    scores, with a loader for the rest (all_scores). With `stream`, the scores are still being
-    read on their own thread when this returns (CheapestScores.finish waits for the reader)."""
+    scores, with a loader for the rest (all_scores). With `stream`, the scores are
+    still being read on their own thread when this returns (CheapestScores.finish waits)."""
     ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     keys = [m.key for c in clusters for m in c.members]
     access: dict[int, set[int]] = {}
@@ -431,7 +262,7 @@ def _claim_batch(placements: tuple[planner.Placement, ...], rows: dict, since) -
 
 
 def _claim_on_thread(placements, rows: dict, since) -> set[int]:
-    with _own_connection():
+    with own_connection():
         return _claim_batch(placements, rows, since)
 
 

@@ -7,9 +7,10 @@ import random
 import pytest
 from django.utils import timezone
 
-from clusters import dispatch, planner
-from clusters.dispatch import CLAIM_BATCH, SCORE_CHUNK, CheapestScores, run_pass, snapshot
+from clusters import planner, scores
+from clusters.dispatch import CLAIM_BATCH, run_pass, snapshot
 from clusters.models import ClusterAttempt
+from clusters.scores import SCORE_CHUNK, CheapestScores
 from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
@@ -83,13 +84,13 @@ def test_a_failed_read_of_scores_fails_whoever_waits_for_them(monkeypatch):
     workers = idle_workers(6)
     score_everything(workers, clusters)
     keys = [m.job_key for c in clusters for m in c.members.all()]
-    monkeypatch.setattr(dispatch, "CHEAPEST_SCORES_SQL", "SELECT 1 / 0")  # a read that fails
-    scores = CheapestScores(keys).start()
+    monkeypatch.setattr(scores, "CHEAPEST_SCORES_SQL", "SELECT 1 / 0")  # a read that fails
+    read = CheapestScores(keys).start()
     with pytest.raises(RuntimeError, match="reading the cheapest scores failed"):
-        scores.get(keys[0])
+        read.get(keys[0])
     with pytest.raises(RuntimeError):
-        assert keys[-1] in scores.truncated
-    scores.finish()  # returns: the reader is done
+        assert keys[-1] in read.truncated
+    read.finish()  # returns: the reader is done
 
 
 def test_a_read_of_scores_on_its_thread_gives_what_a_read_in_line_gives():

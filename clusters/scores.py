@@ -1,0 +1,196 @@
+"""The member jobs' scores as a dispatch pass reads them for the planner.
+
+Up front, each member job's cheapest scores only (an index-only read of a few hundred entries
+per job, not every score), in chunks of keys, on a thread of their own while the planner seats
+the clusters whose scores have arrived. A job's full list is read only when too few of its
+cheapest are left to decide (planner.Snapshot.load_scores): late in a pass, when the cheapest
+workers are taken.
+"""
+
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+
+import numpy as np
+from django.db import close_old_connections, connection
+
+# Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
+# more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
+# pairs: an index-only scan of a few hundred entries per job instead of every score. The
+# planner reads the rest of a job only when too few of its cheapest are left to decide
+# (load_scores). Scores of workers without an idle slot come along and are dropped by the
+# planner: filtering on the idle ones here costs more than it saves, though in a fleet where
+# most workers are busy it makes the planner read more jobs in full.
+CHEAPEST_SCORES_SQL = """
+SELECT k.key, top.packed, top.n
+FROM unnest(%(keys)s::text[]) AS k(key)
+CROSS JOIN LATERAL (
+    SELECT string_agg(int8send(c.worker_id) || int8send(c.missing_nar_size), ''::bytea)
+               AS packed,
+           count(*) AS n
+    FROM (SELECT s.worker_id, s.missing_nar_size FROM job_score s
+          WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
+          ORDER BY s.missing_nar_size, s.worker_id
+          LIMIT %(limit)s + 1) c
+) top
+WHERE top.n > 0
+"""
+
+# Every answered score of some jobs (the planner drops those of workers it does not know),
+# each job's from the index alone. No filter on the idle workers: binding thousands of ids
+# costs more per query than the few extra rows do.
+ALL_SCORES_SQL = """
+SELECT k.key, top.packed
+FROM unnest(%(keys)s::text[]) AS k(key)
+CROSS JOIN LATERAL (
+    SELECT string_agg(int8send(s.worker_id) || int8send(s.missing_nar_size), ''::bytea) AS packed
+    FROM job_score s WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
+) top
+WHERE top.packed IS NOT NULL
+"""
+
+# How many of each job's cheapest scores a pass reads up front. A member needs k free seats
+# of its own per zone among them; fewer, and the planner reads that job in full.
+CHEAPEST = 128
+
+
+def _unpack_all(packed: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each packed list as (worker ids, sizes) sorted by (size, worker id), as the planner needs
+    them to tell that a job's cheapest are a prefix of its full list. numpy is called a few
+    times for all the lists rather than for each: a chunk of scores is hundreds of short ones."""
+    if not packed:
+        return []
+    pairs = np.frombuffer(b"".join(packed), dtype=">i8").reshape(-1, 2)
+    ids, sizes = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+    ends = np.cumsum([len(p) // 16 for p in packed])
+    step = np.diff(sizes)
+    ordered = (step > 0) | ((step == 0) & (np.diff(ids) > 0))
+    ordered[ends[:-1] - 1] = True  # from one list to the next
+    lists = list(zip(np.split(ids, ends[:-1]), np.split(sizes, ends[:-1]), strict=True))
+    if not ordered.all():  # PostgreSQL aggregated some out of the index's order
+        for i, (list_ids, list_sizes) in enumerate(lists):
+            order = np.lexsort((list_ids, list_sizes))
+            lists[i] = (list_ids[order], list_sizes[order])
+    return lists
+
+
+def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
+    with connection.cursor() as cursor:
+        cursor.execute(ALL_SCORES_SQL, {"keys": keys})
+        rows = cursor.fetchall()
+    return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
+
+
+@contextmanager
+def own_connection():
+    """Work on a pass's thread, with that thread's own connection: dropped before if it broke
+    or aged out, and after if it aged out meanwhile (CONN_MAX_AGE), as Django does around a
+    request."""
+    close_old_connections()
+    try:
+        yield
+    finally:
+        close_old_connections()
+
+
+# Keys per read of CHEAPEST_SCORES_SQL: the first clusters' scores arrive after one small read.
+SCORE_CHUNK = 256
+
+# The cheapest scores are read on a thread of their own, with its own database connection,
+# while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
+# work, planning is Python's, and on a machine of two cores the one need not wait for the other.
+_score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
+
+
+class CheapestScores(Mapping):
+    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
+    keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
+    `truncated` tells (waiting likewise) whether a key has more scores than were read."""
+
+    def __init__(self, keys: list[str]):
+        self._keys = keys
+        self._chunk_of = {key: i // SCORE_CHUNK for i, key in enumerate(keys)}
+        self._read = [threading.Event() for _ in range(0, len(keys), SCORE_CHUNK)]
+        self._whole = [False] * len(self._read)  # chunks read to the end
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._truncated: set[str] = set()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._future = None
+        self.truncated = _Truncated(self)
+
+    def read(self) -> None:
+        """Read every chunk in order (on the calling thread)."""
+        try:
+            with connection.cursor() as cursor:
+                for chunk, ready in enumerate(self._read):
+                    if self._stop:
+                        raise RuntimeError("the pass stopped reading scores")
+                    keys = self._keys[chunk * SCORE_CHUNK : (chunk + 1) * SCORE_CHUNK]
+                    cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
+                    rows = cursor.fetchall()
+                    lists = _unpack_all([packed for _, packed, _ in rows])
+                    for (job_id, _, count), (ids, sizes) in zip(rows, lists, strict=True):
+                        if count > CHEAPEST:
+                            ids, sizes = ids[:CHEAPEST], sizes[:CHEAPEST]
+                            self._truncated.add(job_id)
+                        self._arrays[job_id] = (ids, sizes)
+                    self._whole[chunk] = True
+                    ready.set()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            for ready in self._read:
+                ready.set()  # a reader that failed leaves nobody waiting: they see the error
+
+    def start(self) -> "CheapestScores":
+        """Read on the scores' thread (and its connection) from now on."""
+
+        def on_thread():
+            with own_connection():
+                self.read()
+
+        self._future = _score_reader.submit(on_thread)
+        return self
+
+    def finish(self) -> None:
+        """Stop reading (if still at it) and wait for the reader: a pass ends with its reads."""
+        self._stop = True
+        if self._future is not None:
+            wait([self._future])
+
+    def is_truncated(self, key: str) -> bool:
+        self.wait_for(key)
+        return key in self._truncated
+
+    def wait_for(self, key: str) -> None:
+        chunk = self._chunk_of.get(key)
+        if chunk is not None:
+            self._read[chunk].wait()
+            if not self._whole[chunk]:
+                raise RuntimeError("reading the cheapest scores failed") from self._error
+
+    def __getitem__(self, key: str):
+        self.wait_for(key)
+        return self._arrays[key]
+
+    def __iter__(self):
+        for key in self._keys:
+            self.wait_for(key)
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        for key in self._keys:
+            self.wait_for(key)
+        return len(self._arrays)
+
+
+class _Truncated:
+    def __init__(self, scores: CheapestScores):
+        self._scores = scores
+
+    def __contains__(self, key) -> bool:
+        return self._scores.is_truncated(key)
