@@ -189,4 +189,5 @@ CELERY_BEAT_SCHEDULE = {
     "cluster-recovery": {"task": "clusters.recover", "schedule": 30.0},
     "cluster-retention": {"task": "clusters.retention", "schedule": 3600.0},
     "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
+    "job-score-pruning": {"task": "workers.prune_scores", "schedule": 60.0},
 }

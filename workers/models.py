@@ -103,10 +103,9 @@ class JobScore(models.Model):
         ]
         indexes = [
             # The dispatch pass reads each member job's cheapest answered scores in order,
-            # from the index alone.
+            # from the index alone; the pruning pass finds a job's rows, offers included.
             models.Index(
                 fields=["job_id", "missing_nar_size", "worker"],
-                condition=models.Q(missing_nar_size__isnull=False),
                 name="idx-job_score-job-size",
             )
         ]
