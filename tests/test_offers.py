@@ -1,7 +1,10 @@
 """JobOffer: what a worker is offered, once per job and connection (workers.connection)."""
 
+import threading
+
 import pytest
 from django.db import connection as db_connection
+from django.db import transaction
 from django.test.utils import CaptureQueriesContext
 
 from gradient.jobs.models import Evaluation
@@ -12,13 +15,13 @@ from tests.factories import (
     EvaluationFactory,
     WorkerFactory,
 )
-from workers import connection
+from workers import offers
 from workers.assignment import candidates, offerable
 from workers.models import JobScore
 
 
 def offered(worker) -> list[str]:
-    offer = connection.new_offers(worker.pk)
+    offer = offers.new_offers(worker.pk)
     return [] if offer is None else [job.job_id for job in offer.jobs]
 
 
@@ -43,7 +46,7 @@ def test_a_fetch_only_worker_is_offered_no_member_evaluation():
 
 @pytest.mark.django_db
 def test_a_long_queue_is_offered_oldest_first_the_rest_at_the_next_request(monkeypatch):
-    monkeypatch.setattr(connection, "OFFER_BATCH", 2)
+    monkeypatch.setattr(offers, "OFFER_BATCH", 2)
     worker = WorkerFactory(can_build=False)
     jobs = EvaluationFactory.create_batch(3)
     by_age = [
@@ -83,3 +86,89 @@ def test_finished_evaluations_are_not_scanned_for_an_eval_slot():
             plan = "\n".join(row[0] for row in cursor.fetchall())
         assert "idx-evaluation-startable" in plan, plan
         assert "Seq Scan on evaluation" not in plan, plan
+
+
+# A session's mark (offers.OfferMark): only job rows written since its last offer are read.
+# On committed rows, as a session sees them: inside a test's transaction the oldest running
+# transaction is the test's own, and a mark could never pass the rows it wrote.
+
+
+def forget_offers(worker):
+    """As if the worker's offers were never recorded: without a mark they would go again."""
+    JobScore.objects.filter(worker=worker).delete()
+
+
+def marked(worker, mark) -> list[str]:
+    offer = offers.new_offers(worker.pk, mark=mark)
+    return [] if offer is None else [job.job_id for job in offer.jobs]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    old = BuildFactory()
+    assert marked(worker, mark) == [old.job_key]
+    forget_offers(worker)
+    assert marked(worker, mark) == []  # the row is older than the mark: not read
+    new = BuildFactory()
+    waiting = BuildFactory(status="Created")  # not startable: not offered
+    assert marked(worker, mark) == [new.job_key]
+    waiting.status = "Queued"  # its dependencies built: a new row version
+    waiting.save()
+    assert marked(worker, mark) == [waiting.job_key]
+    assert offered(worker) == [old.job_key]  # without a mark, every job is read
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_mark_is_dropped_for_a_full_read_now_and_then():
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    job = EvaluationFactory()
+    assert marked(worker, mark) == [job.job_key]
+    forget_offers(worker)
+    assert marked(worker, mark) == []
+    mark.full_read_at -= offers.FULL_READ_EVERY + 1
+    assert marked(worker, mark) == [job.job_key]
+    forget_offers(worker)
+    mark.reset()  # new capabilities
+    assert marked(worker, mark) == [job.job_key]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_offer_cut_short_keeps_its_mark_for_the_rest(monkeypatch):
+    monkeypatch.setattr(offers, "OFFER_BATCH", 2)
+    worker, mark = WorkerFactory(can_build=False), offers.OfferMark()
+    jobs = EvaluationFactory.create_batch(3)
+    first = marked(worker, mark)
+    assert len(first) == 2
+    assert marked(worker, mark) == [j.job_key for j in jobs if j.job_key not in first]
+    assert marked(worker, mark) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_next():
+    """The race a watermark must not lose: a job written by a transaction that began before
+    an offer read the jobs and committed after it. Its row is older than the offer's read,
+    yet unseen by it; the mark is the oldest transaction still running, so it is read next."""
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    project = BuildFactory().project
+    assert len(marked(worker, mark)) == 1
+    written, go_on = threading.Event(), threading.Event()
+    slow = {}
+
+    def slow_submission():
+        try:
+            with transaction.atomic():
+                slow["job"] = BuildFactory(project=project)
+                written.set()
+                go_on.wait(10)
+        finally:
+            db_connection.close()
+
+    thread = threading.Thread(target=slow_submission)
+    thread.start()
+    assert written.wait(10)
+    quick = BuildFactory(project=project)  # committed at once, after the slow one's insert
+    assert marked(worker, mark) == [quick.job_key]  # the slow one is not committed yet
+    go_on.set()
+    thread.join(10)
+    assert marked(worker, mark) == [slow["job"].job_key]

@@ -8,20 +8,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from clusters.recovery import report_lost_members
-from clusters.tracking import active_member_sql
-from gradient.jobs.models import DispatchedJob, DispatchedOutcome, EvaluationStatus
-from workers.assignment import (
-    FETCH_STEPS,
-    JOB_FILTER_SQL,
-    job_filter_params,
-    job_table,
-    offerable,
-)
+from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from workers.models import IdleSlot, JobScore, Worker, hash_token
-from workers.protocol import JobOffer, OfferedJob, WorkerCapabilities
+from workers.protocol import WorkerCapabilities
 from workers.reports import release_single
 
-OFFER_BATCH = 200
 TOUCH_EVERY = timedelta(seconds=5)
 
 
@@ -188,117 +179,3 @@ def start_draining(worker_id: int) -> None:
     with transaction.atomic(durable=True):
         Worker.objects.filter(pk=worker_id).update(draining=True)
         IdleSlot.objects.filter(worker_id=worker_id).delete()
-
-
-# The jobs of one kind this worker may take and has not been offered yet, cluster members
-# among them (except to a fetch-only worker: a member evaluation always runs as one job),
-# first come first offered. Only the unoffered come back: an offer read with every job
-# already offered would cost a busy worker hundreds of rows per RequestJob.
-UNOFFERED_SQL = (
-    """
-SELECT '{prefix}' || j.id::text AS key, '{kind}' AS kind, p.name, j.architecture,
-       j.required_features, j.paths, j.prioritized, j.created_at
-FROM {table} j
-JOIN project p ON p.id = j.project_id
-WHERE """
-    + JOB_FILTER_SQL
-    + """
-  AND NOT EXISTS (SELECT 1 FROM job_score s
-                  WHERE s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text)
-  {member_filter}
-ORDER BY j.prioritized DESC, j.created_at ASC
-LIMIT %(limit)s
-"""
-)
-# Both kinds' unoffered jobs, remembered as offered, in one statement.
-OFFER_SQL = """
-WITH fresh AS ({parts}), offered AS (
-    INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT %(worker)s, key, %(now)s FROM fresh ON CONFLICT DO NOTHING
-)
-SELECT key, kind, name, architecture, required_features, paths FROM fresh
-ORDER BY prioritized DESC, created_at ASC
-"""
-
-
-def new_offers(worker_id: int, worker: Worker | None = None) -> JobOffer | None:
-    """Jobs this worker could take that it has not been offered yet, cluster members among
-    them; remembered as offered so the next call sends only newer ones. A caller that has
-    the worker's row passes it (one query less per RequestJob)."""
-    from gradient.jobs.models import JobKind
-
-    worker = worker or Worker.objects.get(pk=worker_id)
-    if worker.draining:
-        return None
-    parts, params = [], {"worker": worker_id, "now": timezone.now(), "limit": OFFER_BATCH}
-    for kind in (JobKind.EVAL, JobKind.BUILD):
-        how = offerable(worker, kind)
-        if how is None:
-            continue
-        table, prefix = job_table(kind)
-        fetch_only = how.steps_for.get(EvaluationStatus.QUEUED) == FETCH_STEPS
-        member_filter = f"AND NOT EXISTS ({active_member_sql('j.id', kind)})"
-        part = UNOFFERED_SQL.format(
-            table=table,
-            prefix=prefix,
-            kind=kind,
-            statuses=f"{kind}_statuses",  # the kinds' statuses differ; the rest is shared
-            member_filter=member_filter if fetch_only else "",
-        )
-        filter_params = job_filter_params(worker, how)
-        params[f"{kind}_statuses"] = filter_params.pop("statuses")
-        params.update(filter_params)
-        parts.append(f"({part})")
-    if not parts:
-        return None
-    with db_connection.cursor() as cursor:
-        cursor.execute(OFFER_SQL.format(parts=" UNION ALL ".join(parts)), params)
-        rows = cursor.fetchall()
-    if not rows:
-        return None
-    return JobOffer(
-        jobs=[
-            OfferedJob(
-                job_id=key,
-                kind=kind,
-                project=project,
-                architecture=architecture,
-                required_features=features,
-                paths=paths,
-            )
-            for key, kind, project, architecture, features, paths in rows
-        ]
-    )
-
-
-# A JobScores answer in one statement, no model instances: a fleet's scores are tens of
-# thousands of rows.
-RECORD_SCORES_SQL = """
-INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
-SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
-FROM unnest(%(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
-     AS s(job_id, missing_count, missing_nar_size)
-ON CONFLICT (worker_id, job_id) DO UPDATE
-SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_nar_size,
-    scored_at = EXCLUDED.scored_at
-"""
-
-
-def record_scores(worker_id: int, scores) -> int:
-    """Store a JobScores answer; scores for jobs never offered are kept too (harmless, and a
-    worker may score ahead). One score per job: PostgreSQL refuses an upsert that touches
-    one row twice."""
-    if not scores:
-        return 0
-    with db_connection.cursor() as cursor:
-        cursor.execute(
-            RECORD_SCORES_SQL,
-            {
-                "worker": worker_id,
-                "now": timezone.now(),
-                "jobs": [s.job_id for s in scores],
-                "counts": [s.missing_count for s in scores],
-                "sizes": [s.missing_nar_size for s in scores],
-            },
-        )
-    return len(scores)

@@ -21,7 +21,7 @@ from clusters.dispatch import wake_dispatch
 from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.logs import ids
-from workers import assignment, connection, reports
+from workers import assignment, connection, offers, reports
 from workers.groups import worker_group
 from workers.protocol import (
     MAX_FRAME_BYTES,
@@ -154,11 +154,11 @@ def session_starts() -> Starts:
     return _starts[loop]
 
 
-def answer_request(worker_id: int, kind: str):
+def answer_request(worker_id: int, kind: str, mark: offers.OfferMark | None = None):
     """RequestJob: new offers first, then the job; with nothing to give, an idle slot was
     recorded and a cluster may now have its full placement, so the dispatch pass wakes."""
     worker = assignment.load_worker(worker_id, kind)
-    offer = connection.new_offers(worker_id, worker)
+    offer = offers.new_offers(worker_id, worker, mark)
     assign = assignment.request_job(worker_id, kind, worker)
     if assign is None:
         wake_dispatch()
@@ -209,6 +209,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.start_began()
         self.worker_id, self.worker_name = worker
         self.ready = False
+        self.offer_mark = offers.OfferMark()  # offers are per connection
         self.live = True
         self.touched = 0.0  # set once attached: attach() is as good as a touch
         self.bucket = TokenBucket(
@@ -329,13 +330,15 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.ready = True
         await self.reply(InitAck(worker=worker.name))
         self.start_ended()
-        # The row just written is what the offer reads: passed on, not read again.
-        offer = await db(connection.new_offers)(self.worker_id, worker)
+        # The row just written is what the offer reads: passed on, not read again. New
+        # capabilities may fit jobs the mark has passed: read them all.
+        self.offer_mark.reset()
+        offer = await db(offers.new_offers)(self.worker_id, worker, self.offer_mark)
         if offer is not None:
             await self.reply(offer)
 
     async def on_RequestJob(self, request: RequestJob):
-        offer, assign = await db(answer_request)(self.worker_id, request.kind)
+        offer, assign = await db(answer_request)(self.worker_id, request.kind, self.offer_mark)
         if offer is not None:
             await self.reply(offer)
         if assign is not None:
@@ -345,7 +348,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # One row per job: a job scored twice in one frame keeps its last score (PostgreSQL
         # refuses an upsert that touches one row twice).
         latest = list({score.job_id: score for score in scores.scores}.values())
-        await db(connection.record_scores)(self.worker_id, latest)
+        await db(offers.record_scores)(self.worker_id, latest)
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:

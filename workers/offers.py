@@ -1,0 +1,176 @@
+"""JobOffer and JobScores: what each worker was offered, and what it would have to fetch.
+
+A worker is offered every job it could take, cluster members among them, once per connection
+(the job_score rows of the pairs; a pair never scored counts as the most expensive seat).
+Before each RequestJob is answered, the session asks for the jobs the worker has not been
+offered yet. Finding those used to read every startable job against the worker's job_score
+rows, a few hundred anti-join probes per RequestJob at a busy queue and PostgreSQL's largest
+cost in the throughput benchmark. A session now keeps an OfferMark: the oldest transaction
+still running when its last offer read the jobs. A job that became startable since was
+written by that transaction or a later one, so the next offer reads only job rows whose
+xmin is no older. The mark is dropped (one full read) every FULL_READ_EVERY seconds and when
+the worker's capabilities change, so that a change no job row shows (the worker's project
+access) is picked up within that time.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from django.db import connection as db_connection
+from django.utils import timezone
+
+from clusters.tracking import active_member_sql
+from gradient.jobs.models import EvaluationStatus, JobKind
+from workers.assignment import FETCH_STEPS, JOB_FILTER_SQL, job_filter_params, job_table, offerable
+from workers.models import Worker
+from workers.protocol import JobOffer, OfferedJob
+
+OFFER_BATCH = 200
+FULL_READ_EVERY = 60.0  # seconds
+
+
+@dataclass
+class OfferMark:
+    """A session's watermark: the 32-bit id of the oldest transaction running when its last
+    offer read the jobs, as text (PostgreSQL's xid), and when it last read them all."""
+
+    xmin: str | None = None
+    full_read_at: float = float("-inf")
+
+    def since(self) -> str | None:
+        """The xmin to read from, None for a full read."""
+        if time.monotonic() - self.full_read_at > FULL_READ_EVERY:
+            return None
+        return self.xmin
+
+    def reset(self) -> None:
+        self.xmin = None
+
+
+# The jobs of one kind this worker may take and has not been offered yet, cluster members
+# among them (except to a fetch-only worker: a member evaluation always runs as one job),
+# first come first offered. With a mark, only the job rows written since: age() counts
+# transactions back from now, so a smaller age is a later transaction (a frozen row is the
+# oldest of all).
+UNOFFERED_SQL = (
+    """
+SELECT '{prefix}' || j.id::text AS key, '{kind}' AS kind, p.name, j.architecture,
+       j.required_features, j.paths, j.prioritized, j.created_at
+FROM {table} j
+JOIN project p ON p.id = j.project_id
+WHERE (%(since)s::xid IS NULL OR age(j.xmin) <= age(%(since)s::xid))
+  AND """
+    + JOB_FILTER_SQL
+    + """
+  AND NOT EXISTS (SELECT 1 FROM job_score s
+                  WHERE s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text)
+  {member_filter}
+ORDER BY j.prioritized DESC, j.created_at ASC
+LIMIT %(limit)s
+"""
+)
+# Both kinds' unoffered jobs, remembered as offered, in one statement; with the xmin of the
+# statement's own snapshot (low 32 bits: an xid), on a row of its own when nothing is new.
+OFFER_SQL = """
+WITH fresh AS ({parts}), offered AS (
+    INSERT INTO job_score (worker_id, job_id, offered_at)
+    SELECT %(worker)s, key, %(now)s FROM fresh ON CONFLICT DO NOTHING
+)
+SELECT (pg_snapshot_xmin(pg_current_snapshot())::text::bigint %% 4294967296)::text,
+       key, kind, name, architecture, required_features, paths
+FROM (SELECT) AS snapshot LEFT JOIN fresh ON true
+ORDER BY prioritized DESC, created_at ASC
+"""
+
+
+def new_offers(
+    worker_id: int, worker: Worker | None = None, mark: OfferMark | None = None
+) -> JobOffer | None:
+    """Jobs this worker could take that it has not been offered yet, cluster members among
+    them; remembered as offered so the next call sends only newer ones. A caller that has
+    the worker's row passes it (one query less per RequestJob); a session passes its mark,
+    read and moved on here."""
+    worker = worker or Worker.objects.get(pk=worker_id)
+    if worker.draining:
+        return None
+    since = mark.since() if mark is not None else None
+    params = {"worker": worker_id, "now": timezone.now(), "limit": OFFER_BATCH, "since": since}
+    parts = []
+    for kind in (JobKind.EVAL, JobKind.BUILD):
+        how = offerable(worker, kind)
+        if how is None:
+            continue
+        table, prefix = job_table(kind)
+        fetch_only = how.steps_for.get(EvaluationStatus.QUEUED) == FETCH_STEPS
+        member_filter = f"AND NOT EXISTS ({active_member_sql('j.id', kind)})"
+        part = UNOFFERED_SQL.format(
+            table=table,
+            prefix=prefix,
+            kind=kind,
+            statuses=f"{kind}_statuses",  # the kinds' statuses differ; the rest is shared
+            member_filter=member_filter if fetch_only else "",
+        )
+        filter_params = job_filter_params(worker, how)
+        params[f"{kind}_statuses"] = filter_params.pop("statuses")
+        params.update(filter_params)
+        parts.append(f"({part})")
+    if not parts:
+        return None
+    with db_connection.cursor() as cursor:
+        cursor.execute(OFFER_SQL.format(parts=" UNION ALL ".join(parts)), params)
+        rows = cursor.fetchall()
+    jobs = [row[1:] for row in rows if row[1] is not None]
+    # An offer cut short at OFFER_BATCH (per kind) leaves rows to offer: the mark stays.
+    if mark is not None and max(Counter(job[1] for job in jobs).values(), default=0) < OFFER_BATCH:
+        if since is None:
+            mark.full_read_at = time.monotonic()
+        mark.xmin = rows[0][0]
+    if not jobs:
+        return None
+    return JobOffer(
+        jobs=[
+            OfferedJob(
+                job_id=key,
+                kind=kind,
+                project=project,
+                architecture=architecture,
+                required_features=features,
+                paths=paths,
+            )
+            for key, kind, project, architecture, features, paths in jobs
+        ]
+    )
+
+
+# A JobScores answer in one statement, no model instances: a fleet's scores are tens of
+# thousands of rows.
+RECORD_SCORES_SQL = """
+INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
+SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
+FROM unnest(%(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
+     AS s(job_id, missing_count, missing_nar_size)
+ON CONFLICT (worker_id, job_id) DO UPDATE
+SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_nar_size,
+    scored_at = EXCLUDED.scored_at
+"""
+
+
+def record_scores(worker_id: int, scores) -> int:
+    """Store a JobScores answer; scores for jobs never offered are kept too (harmless, and a
+    worker may score ahead). One score per job: PostgreSQL refuses an upsert that touches
+    one row twice."""
+    if not scores:
+        return 0
+    with db_connection.cursor() as cursor:
+        cursor.execute(
+            RECORD_SCORES_SQL,
+            {
+                "worker": worker_id,
+                "now": timezone.now(),
+                "jobs": [s.job_id for s in scores],
+                "counts": [s.missing_count for s in scores],
+                "sizes": [s.missing_nar_size for s in scores],
+            },
+        )
+    return len(scores)
