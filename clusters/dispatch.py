@@ -228,13 +228,6 @@ def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], si
     return _frames(placement, claim, members)
 
 
-def _claim_and_send(placement: planner.Placement, rows: dict, since) -> bool:
-    frames = claim_placement(placement, rows, since)
-    if frames:
-        send_frames(frames)
-    return bool(frames)
-
-
 # Placements claimed together: one transaction and two round trips per batch (claim_clusters),
 # each claim still winning or losing on its own. The AssignJobs of a batch go out as soon as it
 # commits, so the first seats hear of their claim after one batch, not after the pass.
@@ -296,7 +289,7 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
     active = reservation.active_reservation()
     if active is not None:
         placement = reservation.committable(active, {c.id: c for c in ready}, now)
-        if placement is not None and _claim_and_send(placement, rows, since):
+        if placement is not None and _claim_batch((placement,), rows, since):
             claimed.add(active.cluster_job_id)
             reservation.release(active.pk, "committed")
             return "committed"
