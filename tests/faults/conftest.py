@@ -5,6 +5,7 @@ The tests read the database with psycopg directly; pytest-django's test database
 """
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,15 @@ from tests.faults.stack import ROOT, Stack
 RESULTS: list[dict] = []  # one entry per fault, for the summary at the end of the run
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
+    # The suite's processes run in sessions of their own, so a pytest stopped by SIGTERM (a
+    # CI timeout, `timeout`) would leave them running: stop as on Ctrl-C, through teardown.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     logs = tmp_path_factory.mktemp("faults")
     postgres, redis = PrivatePostgres(), PrivateRedis(logs)
     try:
@@ -38,6 +46,7 @@ def services(tmp_path_factory):
     finally:
         redis.stop()
         postgres.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="module")
