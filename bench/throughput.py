@@ -4,14 +4,14 @@ clusters mixed, with the queue kept full; how many starts per second, at 100 to 
     .venv/bin/python bench/throughput.py [--fleets 100,200,300,400,500] [--warmup S]
                                          [--window S] [--write docs/benchmarks.md]
 
-For each fleet size: a fresh bench database and Redis database 11, one daphne, a Celery worker
-(-c 2) and beat as subprocesses (like the gang-start bench), and the fleet (SimulatedWorker
-over real WebSockets) in this process. A share of the workers (--single-share) may take jobs
-of the singles project only, the rest those of the clusters project only: on one project, a
-queue kept full of single jobs would leave no idle slot for a cluster to be placed on (a
-member is seated only on a worker that asked for a job and got none). A feeder thread keeps
-both queues full, ahead of demand, through the project's own submission functions
-(create_jobs, submit_cluster): evaluations and builds, and clusters of 2 to 4 members.
+For each fleet size: a fresh bench database and Redis database 11, daphne (gradient.serve), a
+Celery worker (-c 2) and beat as subprocesses (like the gang-start bench), and the fleet
+(SimulatedWorker over real WebSockets) in this process. A share of the workers (--single-share)
+may take jobs of the singles project only, the rest those of the clusters project only: on one
+project, a queue kept full of single jobs would leave no idle slot for a cluster to be placed on
+(a member is seated only on a worker that asked for a job and got none). A feeder thread keeps
+both queues full, ahead of demand, through the project's own submission functions (create_jobs,
+submit_cluster): evaluations and builds, and clusters of 2 to 4 members.
 
 Counted in the workers' process: a member start is a StartCluster received for a held member,
 a single start an AssignJob of a single job (the worker runs it at once). Rates are over the
@@ -455,9 +455,9 @@ def section(command: str, results: list[dict], args) -> str:
         f"{SECTION}\n\n"
         "Reference workers (`SimulatedWorker`, real WebSockets, in the script's process) running"
         f" short jobs ({args.job_min:g} to {args.job_max:g} s, one eval and one build slot"
-        " each) on the real stack: one daphne, one Celery worker (`-c 2`) and beat as"
-        " subprocesses, on a database and Redis database 11 of the bench's own, all started"
-        " afresh for each fleet size. A share of the workers"
+        " each) on the real stack: daphne (`gradient.serve`, one process per core), one"
+        " Celery worker (`-c 2`) and beat as subprocesses, on a database and Redis database"
+        " 11 of the bench's own, all started afresh for each fleet size. A share of the workers"
         f" ({args.single_share:.0%}) takes single jobs of one project, the rest cluster"
         " members of another: a queue kept full of singles on one project would leave no idle"
         " slot for any cluster to be placed on. A feeder thread keeps both queues full through"
@@ -476,19 +476,20 @@ def section(command: str, results: list[dict], args) -> str:
         f" tracebacks of any kind there: {tracebacks}. Cores used: CPU seconds per second of"
         " the window, read from `/proc` (daphne; the Celery worker, its pool and beat; the"
         " PostgreSQL backends serving the bench database; this process, the fleet and the"
-        " feeder). Where the time goes (daphne's calls timed on its threads, PostgreSQL's"
-        " statements from its log): everything runs on the same 2 cores, and the whole stack"
-        " spends about 35 ms of CPU per start at 200 workers, where 200 starts a second would"
-        " need 10. Each session's frames run one after another, each call on one of daphne's 4"
-        " frame threads, where at 200 workers a call waits 1 to 2 s for a thread and at 500"
-        " workers 2 to 4 s; a RequestJob (the worker, the offer, the candidates, a claim or an"
-        " idle slot) then takes 40 to 70 ms on its thread, mostly waiting for PostgreSQL,"
-        " which is the largest consumer of CPU from 200 workers up. The offers grow with jobs"
-        " x workers: every new member job is offered to, scored by and recorded for each"
-        " worker that may take it (a JobOffer, a JobScores, a `job_score` row per pair), and"
-        " at 500 workers a session's frames queue behind each other for long enough that some"
-        " prepares outlast the 30 s prepare timeout (the attempt fails, its members go back"
-        " to the queue)."
+        " feeder). Where the time goes: everything runs on the same 2 cores, shared with"
+        " other work (the load average), and the CPU per start in its column is the whole"
+        " stack's, where 200 member starts a second would need under 10 ms. It grows with the"
+        " fleet because the offers grow with jobs x workers: every new member job is offered"
+        " to, scored by and recorded for each worker that may take it (a JobOffer, a"
+        " JobScores, a `job_score` row per pair; the pairs column). In a PostgreSQL statement"
+        " log of one run at 500 workers (every statement, wall times under that load), the"
+        " largest costs were the offer read before each RequestJob answer (8.3 ms a call"
+        " since an offer reads only the job rows written since the session's last one, 12.8"
+        " ms before: docs/design.md) and the JobScores upserts (8 to 12 ms an answer of a"
+        " few hundred pairs); then the claims and the dispatch pass's reads. At 500 workers"
+        " a session's frames queue behind each other for long enough that some prepares"
+        " outlast the 30 s prepare timeout (the attempt fails, its members go back to the"
+        " queue)."
         f" Target: at least {TARGET_MEMBER_STARTS:.0f} member starts per second sustained with"
         f" {max(r['workers'] for r in results)} workers.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
