@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import environ
+import redis.exceptions
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -130,6 +131,10 @@ CHANNEL_LAYERS = {
                     # Else the same 30 s: a session start waits on its group_add, and a Redis
                     # starved of CPU (or gone) would hold every start that long.
                     "socket_connect_timeout": 5,
+                    # A Redis restart kills every pooled connection, and the first command on
+                    # each failed: a pass's AssignJobs were lost and their prepares timed out.
+                    # Reconnect and try once more (redis-py retries nothing unless told).
+                    "retry_on_error": [redis.exceptions.ConnectionError],
                 }
             ],
         },
