@@ -174,7 +174,7 @@ class Stopwatch:
         "book": "startable_clusters",
         "snapshot": "snapshot",
         "claim_all": "_claim_all",
-        "claims": "_claim_batch",
+        "claims": "claim_placements",
     }
 
     def __init__(self):

@@ -23,7 +23,7 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from clusters import planner, reservation
-from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
+from clusters.claim import ClusterClaim, claim_clusters
 from clusters.models import AttemptOutcome
 from clusters.recovery import expire_overdue_prepares
 from clusters.scores import CheapestScores, all_scores, own_connection
@@ -219,15 +219,6 @@ def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) ->
     return frames
 
 
-def claim_placement(placement: planner.Placement, rows: dict[str, MemberRow], since) -> list:
-    """Take the seats and claim the cluster in one transaction; the AssignJob frames to send
-    (empty when the claim was lost: nothing written, the members wait for the next pass)."""
-    claim, members = _cluster_claim(placement, rows, since)
-    if not claim_cluster(claim):
-        return []
-    return _frames(placement, claim, members)
-
-
 # Placements claimed together: one transaction and two round trips per batch (claim_clusters),
 # each claim still winning or losing on its own. The AssignJobs of a batch go out as soon as it
 # commits, so the first seats hear of their claim after one batch, not after the pass.
@@ -240,8 +231,10 @@ CLAIM_BATCH = 128
 _claimer = ThreadPoolExecutor(1, thread_name_prefix="claims")
 
 
-def _claim_batch(placements: tuple[planner.Placement, ...], rows: dict, since) -> set[int]:
-    """Claim the placements and send the AssignJobs of those won; the clusters claimed."""
+def claim_placements(placements: tuple[planner.Placement, ...], rows: dict, since) -> set[int]:
+    """Take the seats and claim each placement's cluster (one transaction for them all, each
+    claim winning or losing on its own: a lost one writes nothing, its members wait for the
+    next pass), then send the AssignJobs of those won; the clusters claimed."""
     batch = [(placement, *_cluster_claim(placement, rows, since)) for placement in placements]
     won = claim_clusters([claim for _, claim, _ in batch])
     frames, claimed = [], set()
@@ -256,7 +249,7 @@ def _claim_batch(placements: tuple[planner.Placement, ...], rows: dict, since) -
 
 def _claim_on_thread(placements, rows: dict, since) -> set[int]:
     with own_connection():
-        return _claim_batch(placements, rows, since)
+        return claim_placements(placements, rows, since)
 
 
 def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
@@ -271,7 +264,7 @@ def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
         for batch in batched(placements, CLAIM_BATCH):
             placed += batch
             if inline:
-                claimed |= _claim_batch(batch, rows, since)
+                claimed |= claim_placements(batch, rows, since)
             else:
                 pending.append(_claimer.submit(_claim_on_thread, batch, rows, since))
     finally:
@@ -289,7 +282,7 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
     active = reservation.active_reservation()
     if active is not None:
         placement = reservation.committable(active, {c.id: c for c in ready}, now)
-        if placement is not None and _claim_batch((placement,), rows, since):
+        if placement is not None and claim_placements((placement,), rows, since):
             claimed.add(active.cluster_job_id)
             reservation.release(active.pk, "committed")
             return "committed"

@@ -7,7 +7,7 @@ import pytest
 from django.utils import timezone
 
 from clusters import coordinator
-from clusters.dispatch import claim_placement, clusters_waiting, run_pass
+from clusters.dispatch import claim_placements, clusters_waiting, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.recovery import member_report
 from clusters.tracking import startable_clusters
@@ -93,7 +93,7 @@ def test_a_seat_whose_worker_went_busy_since_the_snapshot_loses_the_claim():
     rows = {m.key: m for m in ready[0].members}
     # One seat's worker took a single job meanwhile: its idle slot is gone.
     IdleSlot.objects.filter(worker=placement.seats[0].worker.id).delete()
-    assert claim_placement(placement, rows, timezone.now() - timedelta(seconds=25)) == []
+    assert claim_placements((placement,), rows, timezone.now() - timedelta(seconds=25)) == set()
     assert not ClusterAttempt.objects.exists() and not DispatchedJob.objects.exists()
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.QUEUED
