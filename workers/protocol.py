@@ -55,7 +55,11 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     def frame(self) -> str:
-        return json.dumps({"type": type(self).__name__, **self.model_dump(mode="json")})
+        # pydantic's own JSON encoder, a few times faster than json.dumps of a dumped dict: a
+        # dispatch pass frames thousands of AssignJobs. The type goes first, as in every frame.
+        body = self.model_dump_json()
+        head = '{"type":' + json.dumps(type(self).__name__)
+        return head + "}" if body == "{}" else head + "," + body[1:]
 
 
 # Worker -> server
