@@ -8,6 +8,7 @@ import logging
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from autobahn.exception import Disconnected
 from channels.consumer import get_handler_name
@@ -22,6 +23,7 @@ from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.logs import ids
 from workers import assignment, connection, offers, reports
+from workers.frame_queue import FrameQueue
 from workers.groups import worker_group
 from workers.protocol import (
     MAX_FRAME_BYTES,
@@ -43,6 +45,7 @@ from workers.protocol import (
 log = logging.getLogger(__name__)
 
 CLOSE_TOO_BIG = 1009
+CLOSE_ERROR = 1011
 CLOSE_REVOKED = 4403
 CLOSE_SILENT = 4408
 CLOSE_REPLACED = 4409
@@ -88,6 +91,26 @@ def db(fn):
     # Not thread-sensitive: sessions' services run side by side on the executor's threads
     # instead of queueing behind each other on one.
     return database_sync_to_async(fn, thread_sensitive=False, executor=_frames)
+
+
+# The start path's own threads: acceptances, reports, signals. They move held members to their
+# start and free slots, and each is one short statement or transaction; queued behind the
+# offers and RequestJobs of a busy fleet (hundreds of milliseconds of database work each
+# under load), a 500-worker fleet's acceptances took 13 s at the median, its slots were held
+# instead of running, and some prepares outlasted their timeout (docs/benchmarks.md).
+REPORT_THREADS = 2
+_reports = ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="reports")
+
+
+def report_db(fn):
+    return database_sync_to_async(fn, thread_sensitive=False, executor=_reports)
+
+
+# Frames whose work is the bulk of a session's: offers, scores and requests for work. They wait
+# in a queue of the session's own, handled in order by a task of its own, so that the frames
+# after them (an AssignJobResponse, a report) and the passes' frames to the worker (an
+# AssignJob, a StartCluster) never wait for them.
+BULK = (RequestJob, JobScores)
 
 
 # The session start's own threads (authenticate, attach, capabilities). daphne refuses a
@@ -165,6 +188,16 @@ def answer_request(worker_id: int, kind: str, mark: offers.OfferMark | None = No
     return offer, assign
 
 
+class Touch(NamedTuple):
+    """A session's liveness check, queued with its reports (not a protocol message)."""
+
+
+class OfferAll(NamedTuple):
+    """A session's full offer, queued with its bulk frames (not a protocol message)."""
+
+    worker: object  # the Worker row just written by record_capabilities
+
+
 class WorkerConsumer(AsyncWebsocketConsumer):
     worker_id: int | None = None
 
@@ -210,6 +243,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.worker_id, self.worker_name = worker
         self.ready = False
         self.offer_mark = offers.OfferMark()  # offers are per connection
+        self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
+        self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
+        self.last_report: asyncio.Future | None = None
+        self.slots = {"eval": 0, "build": 0}  # from the capabilities
         self.live = True
         self.touched = 0.0  # set once attached: attach() is as good as a touch
         self.bucket = TokenBucket(
@@ -249,6 +286,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.start_ended()
         if self.worker_id is None:
             return
+        # The reports first: a bulk frame may be waiting for one.
+        await self.reports.stop()
+        await self.bulk.stop()
         await self.channel_layer.group_discard(worker_group(self.worker_id), self.channel_name)
         if await db(connection.detach)(self.worker_id, self.channel_name):
             log.info(
@@ -288,26 +328,54 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         if self.ready and not self.starting:
             await session_starts().wait_for_calm()
-        if not await self.still_live():
-            return
+        self.check_liveness()
+        if isinstance(message, WorkerCapabilities):
+            await self.handle(message)  # the start path: InitAck, then the offer (queued)
+        elif isinstance(message, BULK):
+            self.queue_bulk(message)
+        else:
+            self.last_report = self.reports.put(message)
+
+    async def handle(self, message):
+        if not self.live:
+            return  # revoked, replaced or silent: closing
         handler = getattr(self, f"on_{type(message).__name__}")
         try:
             await handler(message)
         except NotAllowed as exc:
             await self.error("not_allowed", str(exc))
 
-    async def still_live(self) -> bool:
-        """Liveness is written every few seconds; the same query notices a revoked token or a
-        newer session that took over."""
+    async def failed(self, _message):
+        await self.close(code=CLOSE_ERROR)
+
+    def queue_bulk(self, message):
+        """Queue a bulk frame behind the reports that arrived before it (a JobCompleted
+        frees the slot that the RequestJob after it asks to fill). A RequestJob while as many
+        of its kind as the worker has slots of that kind already wait is a resend (one every
+        10 s per free slot): dropped, the waiting ones will answer."""
+        if isinstance(message, RequestJob):
+            kind = message.kind
+            waiting = self.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == kind)
+            if waiting and waiting >= self.slots.get(kind, 0):
+                return
+        self.bulk.put(message, after=self.last_report)
+
+    def check_liveness(self):
+        """Liveness is written every few seconds, queued with the bulk frames (the bulk frames
+        after it ask for work, which a session that lost must not get): the same query
+        notices a revoked token or a newer session that took over, and the session closes.
+        Not with the reports: a touch per session every few seconds would be most of them."""
         now = time.monotonic()
-        if now - self.touched < TOUCH_EVERY_SECS:
-            return True
-        self.touched = now
+        if now - self.touched >= TOUCH_EVERY_SECS:
+            self.touched = now
+            self.bulk.put(Touch())
+
+    async def on_Touch(self, _: "Touch"):
         if await db(connection.touch)(self.worker_id, self.channel_name):
             await self.join_group()
-            return True
-        await self.close(code=CLOSE_REVOKED)
-        return False
+        else:
+            self.live = False
+            await self.close(code=CLOSE_REVOKED)
 
     async def join_group(self):
         """At the start, and again at every touch: the worker's group lives in Redis, and the
@@ -328,12 +396,17 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # behind the offers and RequestJobs of the sessions already started.
         worker = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
         self.ready = True
+        self.slots = {"eval": caps.max_concurrent_evals, "build": caps.max_concurrent_builds}
         await self.reply(InitAck(worker=worker.name))
         self.start_ended()
-        # The row just written is what the offer reads: passed on, not read again. New
-        # capabilities may fit jobs the mark has passed: read them all.
+        # The offer goes through the bulk queue, ahead of the RequestJobs that follow, with the
+        # row just written (not read again). New capabilities may fit jobs the mark has
+        # passed: read them all.
+        self.queue_bulk(OfferAll(worker))
+
+    async def on_OfferAll(self, offer_all: "OfferAll"):
         self.offer_mark.reset()
-        offer = await db(offers.new_offers)(self.worker_id, worker, self.offer_mark)
+        offer = await db(offers.new_offers)(self.worker_id, offer_all.worker, self.offer_mark)
         if offer is not None:
             await self.reply(offer)
 
@@ -352,29 +425,29 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:
-            await db(reports.job_accepted)(self.worker_id, response.job_id)
+            await report_db(reports.job_accepted)(self.worker_id, response.job_id)
         else:
-            await db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
+            await report_db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
 
     async def on_JobCompleted(self, report: JobCompleted):
-        await db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
+        await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
 
     async def on_JobFailed(self, report: JobFailed):
-        await db(reports.job_failed)(
+        await report_db(reports.job_failed)(
             self.worker_id, report.job_id, report.assignment_id, report.kind
         )
 
     async def on_ClusterSignal(self, signal: ClusterSignal):
         try:
-            await db(coordinator.forward_signal)(
+            await report_db(coordinator.forward_signal)(
                 self.worker_id, signal.attempt, signal.to, signal.payload
             )
         except NotAllowed:
-            await db(metrics.count_signal_dropped)()
+            await report_db(metrics.count_signal_dropped)()
             raise
 
     async def on_Draining(self, _: Draining):
-        await db(connection.start_draining)(self.worker_id)
+        await report_db(connection.start_draining)(self.worker_id)
 
     # Messages from other processes, through the worker's group
 

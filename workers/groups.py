@@ -5,8 +5,9 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 
-from asgiref.sync import SyncToAsync, async_to_sync
+from asgiref.sync import SyncToAsync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
@@ -46,23 +47,50 @@ class _SenderLoop:
 _sender = _SenderLoop()
 
 
-def _in_session_thread() -> bool:
-    """Whether this thread runs sync code on behalf of a running event loop (a session's
-    service in daphne, via sync_to_async): async_to_sync then hands the call back to that
-    loop, where the layer already has its connections. (The attributes are asgiref's own,
-    the ones async_to_sync reads.)"""
+def _session_loop() -> asyncio.AbstractEventLoop | None:
+    """The running event loop this thread runs sync code for (a session's service in daphne,
+    via sync_to_async), if any: the layer already has its connections there. (The attributes
+    are asgiref's own, the ones async_to_sync reads.)"""
     local = SyncToAsync.threadlocal
     loop = getattr(local, "main_event_loop", None)
-    return (
-        loop is not None
-        and getattr(local, "main_event_loop_pid", None) == os.getpid()
-        and loop.is_running()
-    )
+    if loop is not None and getattr(local, "main_event_loop_pid", None) == os.getpid():
+        return loop if loop.is_running() else None
+    return None
+
+
+# A session's sends, per event loop, made in order by one task: the service that asked goes
+# on without waiting for the loop. Waiting held one of the few database threads until the
+# loop, busy with hundreds of sessions, got round to the send: with a busy fleet the
+# acceptances queued behind those threads for seconds.
+_loop_sends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _send_on_loop(loop: asyncio.AbstractEventLoop, make_coro) -> None:
+    def enqueue():
+        queue = _loop_sends.get(loop)
+        if queue is None:
+            queue = _loop_sends[loop] = asyncio.Queue()
+            loop.create_task(_send_in_order(queue))
+        queue.put_nowait(make_coro)
+
+    loop.call_soon_threadsafe(enqueue)
+
+
+async def _send_in_order(queue: asyncio.Queue) -> None:
+    while True:
+        make_coro = await queue.get()
+        try:
+            await make_coro()
+        except Exception:  # the coroutines log their own failures; nothing may end this task
+            logger.warning("a send failed", exc_info=True)
 
 
 def _run(make_coro) -> None:
-    if _in_session_thread():
-        async_to_sync(make_coro)()
+    """Run a send: from a session's thread, queued on its loop (not awaited); elsewhere, on
+    the process's sender loop, waited for."""
+    loop = _session_loop()
+    if loop is not None:
+        _send_on_loop(loop, make_coro)
     else:
         _sender.run(make_coro())
 
@@ -72,13 +100,18 @@ def send_to_worker_on_commit(worker_id: int, message: dict) -> None:
     is announced that then rolls back. The layer carries only wake-ups: if it is unreachable the
     state is already in PostgreSQL, so log and go on."""
 
-    def send():
-        async def group_send():
+    async def group_send():
+        try:
             await get_channel_layer().group_send(worker_group(worker_id), message)
+        except Exception:
+            logger.warning(
+                "could not send %s to worker %s", message.get("type"), worker_id, exc_info=True
+            )
 
+    def send():
         try:
             _run(group_send)
-        except Exception:
+        except Exception:  # the sender loop timed out
             logger.warning(
                 "could not send %s to worker %s", message.get("type"), worker_id, exc_info=True
             )
@@ -94,14 +127,19 @@ def close_revoked_on_commit(worker_id: int) -> None:
 def send_frames(frames: list[tuple[int, object]]) -> None:
     """Sends protocol messages now (outside any transaction); best effort, like every send."""
     layer = get_channel_layer()
+    # A message sent to several workers (a StartCluster to every member) is rendered once.
+    texts = {id(message): message.frame() for _, message in frames}
 
     async def send_all():
-        for worker_id, frame in frames:
-            await layer.group_send(
-                worker_group(worker_id), {"type": "worker.send", "frame": frame.frame()}
-            )
+        try:
+            for worker_id, message in frames:
+                await layer.group_send(
+                    worker_group(worker_id), {"type": "worker.send", "frame": texts[id(message)]}
+                )
+        except Exception:
+            logger.warning("could not send %d frame(s)", len(frames), exc_info=True)
 
     try:
         _run(send_all)
-    except Exception:
+    except Exception:  # the sender loop timed out
         logger.warning("could not send %d frame(s)", len(frames), exc_info=True)

@@ -1,0 +1,185 @@
+"""A session's two queues of frames: reports are never held back by the bulk (offers, scores,
+requests for work), the bulk never overtakes an earlier report, a resent RequestJob does not
+pile up, and nothing is handled after the disconnect."""
+
+import asyncio
+import threading
+
+import psycopg
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connection
+
+from gradient.jobs.models import DispatchedJob
+from tests.factories import BuildFactory, EvaluationFactory
+from workers.consumer import WorkerConsumer
+from workers.frame_queue import FrameQueue
+from workers.protocol import JobScores, RequestJob
+
+pytestmark = pytest.mark.asyncio
+
+
+def q(fn):
+    return sync_to_async(fn)()
+
+
+class TableLock:
+    """An EXCLUSIVE lock on a table, held by a connection of its own until released: every
+    statement that writes the table (an offer writes job_score) waits for it."""
+
+    def __init__(self, table: str):
+        params = connection.get_connection_params()
+        self.conn = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+        self.conn.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+        self.table = table
+
+    def waiters(self) -> int:
+        with psycopg.connect(self.conn.info.dsn, password=self.conn.info.password) as c:
+            return c.execute(
+                "SELECT count(*) FROM pg_locks WHERE relation = %s::regclass AND NOT granted",
+                [self.table],
+            ).fetchone()[0]
+
+    def release(self):
+        self.conn.rollback()
+        self.conn.close()
+
+
+async def eventually(check, timeout=5.0):
+    for _ in range(int(timeout / 0.05)):
+        if await q(check):
+            return True
+        await asyncio.sleep(0.05)
+    return await q(check)
+
+
+async def test_a_report_is_handled_while_a_request_before_it_waits_for_the_database(
+    worker_session,
+):
+    _, session = await worker_session()
+    await q(lambda: BuildFactory())
+    await session.connect()
+    await session.hello()
+    await session.send({"type": "RequestJob", "kind": "build"})
+    job = await session.recv_type("AssignJob")
+    await q(lambda: EvaluationFactory())  # not offered yet: the next offer writes job_score
+    lock = await q(lambda: TableLock("job_score"))
+    try:
+        await session.send({"type": "RequestJob", "kind": "eval"})
+        assert await eventually(lambda: lock.waiters() == 1)  # the offer waits for the lock
+        await session.send(
+            {
+                "type": "JobCompleted",
+                "job_id": job["job_id"],
+                "assignment_id": job["assignment_id"],
+                "elapsed_ms": 5,
+            }
+        )
+        # Recorded while the RequestJob before it still waits.
+        assert await eventually(
+            lambda: DispatchedJob.objects.get(job_id=job["job_id"]).outcome == "Completed"
+        )
+        assert await q(lock.waiters) == 1
+    finally:
+        await q(lock.release)
+    offer = await session.recv_type("JobOffer")  # then the request is answered as before
+    assert [j["kind"] for j in offer["jobs"]] == ["eval"]
+    await session.close()
+
+
+async def test_the_bulk_waits_for_the_reports_that_came_before_it():
+    handled = []
+    report_gate = asyncio.Event()
+
+    async def handle_report(frame):
+        await report_gate.wait()
+        handled.append(frame)
+
+    async def handle_bulk(frame):
+        handled.append(frame)
+
+    async def failed(frame):
+        raise AssertionError(frame)
+
+    reports = FrameQueue("reports", handle_report, failed)
+    bulk = FrameQueue("bulk", handle_bulk, failed)
+    done = reports.put("completed")
+    bulk.put("request", after=done)
+    bulk.put("scores")
+    await asyncio.sleep(0.05)
+    assert handled == []  # the request waits for the report, the scores for the request
+    report_gate.set()
+    await asyncio.sleep(0.05)
+    assert handled == ["completed", "request", "scores"]
+    await reports.stop()
+    await bulk.stop()
+
+
+async def test_stop_lets_the_frame_under_way_end_and_drops_the_rest():
+    started, release = asyncio.Event(), asyncio.Event()
+    handled = []
+
+    async def handle(frame):
+        started.set()
+        await release.wait()
+        handled.append(frame)
+
+    async def failed(frame):
+        raise AssertionError(frame)
+
+    queue = FrameQueue("bulk", handle, failed)
+    for frame in ("first", "second", "third"):
+        queue.put(frame)
+    await started.wait()
+    stopping = asyncio.create_task(queue.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # waits for the frame under way
+    release.set()
+    await stopping
+    assert handled == ["first"]
+    assert queue.put("late").done()  # nothing is queued once stopped
+    await asyncio.sleep(0.05)
+    assert handled == ["first"]
+
+
+async def test_a_failing_frame_ends_the_queue_and_reports_it():
+    failures = []
+
+    async def handle(frame):
+        if frame == "bad":
+            raise RuntimeError("database gone")
+
+    async def failed(frame):
+        failures.append(frame)
+
+    queue = FrameQueue("bulk", handle, failed)
+    queue.put("bad")
+    after = queue.put("next")
+    await asyncio.wait_for(after, 1)  # settled, though never handled
+    assert failures == ["bad"]
+    await queue.stop()
+
+
+async def test_a_resent_request_beyond_the_slots_of_its_kind_is_not_queued():
+    consumer = WorkerConsumer()
+    consumer.slots = {"eval": 1, "build": 2}
+    consumer.last_report = None
+    blocked = threading.Event()
+
+    async def handle(frame):
+        await asyncio.to_thread(blocked.wait, 5)
+
+    async def failed(frame):
+        raise AssertionError(frame)
+
+    consumer.bulk = FrameQueue("bulk", handle, failed)
+    consumer.queue_bulk(RequestJob(kind="eval"))  # under way
+    await asyncio.sleep(0.05)
+    for kind in ("eval", "eval", "eval", "build", "build", "build"):
+        consumer.queue_bulk(RequestJob(kind=kind))
+    consumer.queue_bulk(JobScores(scores=[]))
+    assert consumer.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "eval") == 1
+    assert consumer.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "build") == 2
+    assert consumer.bulk.waiting(lambda m: isinstance(m, JobScores)) == 1
+    blocked.set()
+    await consumer.bulk.stop()

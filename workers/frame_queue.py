@@ -1,0 +1,79 @@
+"""A session's frames, handled in arrival order by a task of their own.
+
+A Channels consumer handles one event at a time: while it awaits a frame's database work, the
+passes' frames to its worker (an AssignJob, a StartCluster) wait too. Under a busy fleet that
+work queues for seconds, so a session hands its frames to two FrameQueues instead and goes
+straight back to its events: one for the start path (acceptances, reports, signals, liveness),
+one for the bulk (offers, scores, requests for work), which may wait for the start path's
+frames that arrived before it but never holds them back.
+"""
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class FrameQueue:
+    def __init__(self, name: str, handle: Callable[[object], Awaitable[None]], on_error):
+        self.name = name
+        self._handle = handle
+        self._on_error = on_error  # called with the frame whose handling raised
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    def put(self, frame, after: asyncio.Future | None = None) -> asyncio.Future:
+        """Queue a frame, handled once `after` (if given) is done; a future done once it is."""
+        done = asyncio.get_running_loop().create_future()
+        if self._closing:
+            done.set_result(None)
+            return done
+        self._items.append((frame, after, done))
+        self._ready.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"frames-{self.name}")
+        return done
+
+    def waiting(self, match: Callable[[object], bool]) -> int:
+        """How many frames not yet handled match."""
+        return sum(1 for frame, _, _ in self._items if match(frame))
+
+    async def _run(self) -> None:
+        while True:
+            while not self._items:
+                if self._closing:
+                    return
+                self._ready.clear()
+                await self._ready.wait()
+            frame, after, done = self._items.popleft()
+            try:
+                if after is not None:
+                    await after
+                if not self._closing:
+                    await self._handle(frame)
+            except Exception:
+                # As if handled inline: the session ends, and the worker reconnects.
+                log.exception("%s: %s failed", self.name, type(frame).__name__)
+                self._drop()
+                await self._on_error(frame)
+                return
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    def _drop(self) -> None:
+        self._closing = True
+        for _, _, done in self._items:
+            done.set_result(None)
+        self._items.clear()
+
+    async def stop(self) -> None:
+        """Drop the frames still waiting and wait for the one under way, if any."""
+        self._drop()
+        if self._task is not None:
+            self._ready.set()  # an idle task wakes, sees it is closing, and ends
+            await self._task
