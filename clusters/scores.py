@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from itertools import pairwise
 
 import numpy as np
 from django.db import close_old_connections, connection
@@ -95,8 +96,21 @@ def own_connection():
         close_old_connections()
 
 
-# Keys per read of CHEAPEST_SCORES_SQL: the first clusters' scores arrive after one small read.
+# Keys per read of CHEAPEST_SCORES_SQL, the first read smaller: the first clusters' scores
+# arrive sooner, and a pass that finds seats for a few clusters only (a busy fleet, a pass
+# woken by one idle slot) reads little more than those.
+FIRST_CHUNK = 32
 SCORE_CHUNK = 256
+# Chunks read ahead of the last one the planner waited for; the reader then waits. Reading
+# every member job's scores up front cost each woken pass of a busy fleet a few milliseconds
+# of PostgreSQL per 256 keys, for clusters it could not seat anyway.
+READ_AHEAD = 2
+
+
+def _chunks(count: int) -> list[tuple[int, int]]:
+    bounds = [0, *range(min(FIRST_CHUNK, count), count, SCORE_CHUNK), count]
+    return [(a, b) for a, b in pairwise(bounds) if b > a]
+
 
 # The cheapest scores are read on a thread of their own, with its own database connection,
 # while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
@@ -111,8 +125,15 @@ class CheapestScores(Mapping):
 
     def __init__(self, keys: list[str]):
         self._keys = keys
-        self._chunk_of = {key: i // SCORE_CHUNK for i, key in enumerate(keys)}
-        self._read = [threading.Event() for _ in range(0, len(keys), SCORE_CHUNK)]
+        self._bounds = _chunks(len(keys))
+        self._chunk_of = {
+            key: chunk
+            for chunk, (start, stop) in enumerate(self._bounds)
+            for key in keys[start:stop]
+        }
+        self._read = [threading.Event() for _ in self._bounds]
+        self._asked = -1  # the last chunk the planner waited for
+        self._progress = threading.Condition()
         self._whole = [False] * len(self._read)  # chunks read to the end
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._truncated: set[str] = set()
@@ -121,14 +142,21 @@ class CheapestScores(Mapping):
         self._future = None
         self.truncated = _Truncated(self)
 
-    def read(self) -> None:
-        """Read every chunk in order (on the calling thread)."""
+    def read(self, lazy: bool = False) -> None:
+        """Read every chunk in order (on the calling thread); `lazy`, at most READ_AHEAD
+        chunks ahead of the planner (a reader of its own, while the planner waits)."""
         try:
             with connection.cursor() as cursor:
                 for chunk, ready in enumerate(self._read):
+                    if lazy:
+                        with self._progress:
+                            self._progress.wait_for(
+                                lambda c=chunk: self._stop or c <= self._asked + READ_AHEAD
+                            )
                     if self._stop:
                         raise RuntimeError("the pass stopped reading scores")
-                    keys = self._keys[chunk * SCORE_CHUNK : (chunk + 1) * SCORE_CHUNK]
+                    start, stop = self._bounds[chunk]
+                    keys = self._keys[start:stop]
                     cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
                     rows = cursor.fetchall()
                     lists = _unpack_all([packed for _, packed, _ in rows])
@@ -151,14 +179,16 @@ class CheapestScores(Mapping):
 
         def on_thread():
             with own_connection():
-                self.read()
+                self.read(lazy=True)
 
         self._future = _score_reader.submit(on_thread)
         return self
 
     def finish(self) -> None:
         """Stop reading (if still at it) and wait for the reader: a pass ends with its reads."""
-        self._stop = True
+        with self._progress:
+            self._stop = True
+            self._progress.notify_all()
         if self._future is not None:
             wait([self._future])
 
@@ -169,6 +199,10 @@ class CheapestScores(Mapping):
     def wait_for(self, key: str) -> None:
         chunk = self._chunk_of.get(key)
         if chunk is not None:
+            if chunk > self._asked:
+                with self._progress:
+                    self._asked = max(self._asked, chunk)
+                    self._progress.notify_all()
             self._read[chunk].wait()
             if not self._whole[chunk]:
                 raise RuntimeError("reading the cheapest scores failed") from self._error

@@ -1,8 +1,12 @@
 """Unpacking the scores as PostgreSQL sends them: (worker id, size) pairs as big-endian int64."""
 
 import struct
+import time
+import uuid
 
-from clusters.scores import _unpack_all
+import pytest
+
+from clusters.scores import FIRST_CHUNK, READ_AHEAD, SCORE_CHUNK, CheapestScores, _unpack_all
 
 
 def packed(*pairs):
@@ -27,3 +31,42 @@ def test_a_list_out_of_order_is_sorted_by_size_then_worker():
 def test_sizes_beyond_32_bits_and_no_lists_at_all():
     assert plain(_unpack_all([packed((2**40, 2**62))])) == [([2**40], [2**62])]
     assert _unpack_all([]) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reader_keeps_a_few_chunks_ahead_of_the_planner_and_no_further():
+    from django.utils import timezone
+
+    from tests.factories import WorkerFactory
+    from workers.models import JobScore
+
+    now = timezone.now()
+    worker = WorkerFactory()
+    keys = [f"eval:{uuid.uuid4()}" for _ in range(FIRST_CHUNK + 5 * SCORE_CHUNK)]
+    JobScore.objects.bulk_create(
+        JobScore(
+            worker=worker,
+            job_id=key,
+            offered_at=now,
+            scored_at=now,
+            missing_count=1,
+            missing_nar_size=size,
+        )
+        for size, key in enumerate(keys)
+    )
+    scores = CheapestScores(keys).start()
+    try:
+        chunks = scores._read
+        assert len(chunks) == 6
+        assert chunks[READ_AHEAD - 1].wait(10)
+        time.sleep(0.3)
+        assert not any(chunk.is_set() for chunk in chunks[READ_AHEAD:])  # nobody asked yet
+        # The planner reaches the third chunk: the reader goes on up to two beyond it.
+        key = keys[FIRST_CHUNK + SCORE_CHUNK + 1]
+        assert scores[key][1].tolist() == [keys.index(key)]
+        assert chunks[2 + READ_AHEAD].wait(10)
+        time.sleep(0.3)
+        assert not chunks[-1].is_set()
+        assert scores[keys[-1]][1].tolist() == [len(keys) - 1]  # and the rest on demand
+    finally:
+        scores.finish()
