@@ -115,10 +115,17 @@ STORAGES = {
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 
+CHANNEL_CAPACITY = 10_000
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "gradient.channel_layer.BlockingRedisChannelLayer",
         "CONFIG": {
+            # Messages waiting in Redis per channel key before a send is dropped. Every
+            # session of one daphne process shares one key (its process-specific inbox), so
+            # the default of 100 counted for hundreds of sessions together: a burst of
+            # AssignJobs to a busy daphne was dropped ("over capacity", logged at INFO) and
+            # its prepares timed out 30 s later (docs/reliability.md).
+            "capacity": CHANNEL_CAPACITY,
             "hosts": [
                 {
                     "address": REDIS_URL,
