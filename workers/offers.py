@@ -8,9 +8,9 @@ rows, a few hundred anti-join probes per RequestJob at a busy queue and PostgreS
 cost in the throughput benchmark. A session now keeps an OfferMark: the oldest transaction
 still running when its last offer read the jobs. A job that became startable since was
 written by that transaction or a later one, so the next offer reads only job rows whose
-xmin is no older. The mark is dropped (one full read) every FULL_READ_EVERY seconds and when
-the worker's capabilities change, so that a change no job row shows (the worker's project
-access) is picked up within that time.
+last writer (written_xid, indexed) is no older. The mark is dropped (one full read) every
+FULL_READ_EVERY seconds and when the worker's capabilities change, so that a change no job
+row shows (the worker's project access) is picked up within that time.
 """
 
 import time
@@ -32,8 +32,8 @@ FULL_READ_EVERY = 60.0  # seconds
 
 @dataclass
 class OfferMark:
-    """A session's watermark: the 32-bit id of the oldest transaction running when its last
-    offer read the jobs, as text (PostgreSQL's xid), and when it last read them all."""
+    """A session's watermark: the id of the oldest transaction running when its last offer
+    read the jobs, as text (PostgreSQL's 64-bit xid8), and when it last read them all."""
 
     xmin: str | None = None
     full_read_at: float = float("-inf")
@@ -50,16 +50,17 @@ class OfferMark:
 
 # The jobs of one kind this worker may take and has not been offered yet, cluster members
 # among them (except to a fetch-only worker: a member evaluation always runs as one job),
-# first come first offered. With a mark, only the job rows written since: age() counts
-# transactions back from now, so a smaller age is a later transaction (a frozen row is the
-# oldest of all).
+# first come first offered. With a mark, only the job rows written since: written_xid is the
+# row's last writing transaction (a trigger's, jobs migration 0006), indexed, so a marked read
+# finds the few rows written since the last offer instead of testing every startable job.
+WRITTEN_SINCE = "j.written_xid >= %(since)s::xid8"
 UNOFFERED_SQL = (
     """
 SELECT '{prefix}' || j.id::text AS key, '{kind}' AS kind, p.name, j.architecture,
        j.required_features, j.paths, j.prioritized, j.created_at
 FROM {table} j
 JOIN project p ON p.id = j.project_id
-WHERE (%(since)s::xid IS NULL OR age(j.xmin) <= age(%(since)s::xid))
+WHERE {since_filter}
   AND """
     + JOB_FILTER_SQL
     + """
@@ -71,13 +72,13 @@ LIMIT %(limit)s
 """
 )
 # Both kinds' unoffered jobs, remembered as offered, in one statement; with the xmin of the
-# statement's own snapshot (low 32 bits: an xid), on a row of its own when nothing is new.
+# statement's own snapshot, on a row of its own when nothing is new.
 OFFER_SQL = """
 WITH fresh AS ({parts}), offered AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
     SELECT %(worker)s, key, %(now)s FROM fresh ON CONFLICT DO NOTHING
 )
-SELECT (pg_snapshot_xmin(pg_current_snapshot())::text::bigint %% 4294967296)::text,
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
        key, kind, name, architecture, required_features, paths
 FROM (SELECT) AS snapshot LEFT JOIN fresh ON true
 ORDER BY prioritized DESC, created_at ASC
@@ -110,6 +111,8 @@ def new_offers(
             kind=kind,
             statuses=f"{kind}_statuses",  # the kinds' statuses differ; the rest is shared
             member_filter=member_filter if fetch_only else "",
+            # Two texts, not one with an OR: a plan for both could use the index for neither.
+            since_filter=WRITTEN_SINCE if since is not None else "true",
         )
         filter_params = job_filter_params(worker, how)
         params[f"{kind}_statuses"] = filter_params.pop("statuses")
