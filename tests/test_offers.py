@@ -18,21 +18,48 @@ from tests.factories import (
 from workers import offers
 from workers.assignment import candidates, offerable
 from workers.models import JobScore
+from workers.protocol import Score
 
 
-def offered(worker) -> list[str]:
-    offer = offers.new_offers(worker.pk)
+def offered(worker, mark=None) -> list[str]:
+    offer = offers.new_offers(worker.pk, mark=mark)
     return [] if offer is None else [job.job_id for job in offer.jobs]
+
+
+def answer(worker, mark, keys):
+    """The worker's JobScores for these jobs, as its session records them."""
+    offers.record_scores(
+        worker.pk, [Score(job_id=key, missing_count=1, missing_nar_size=10) for key in keys]
+    )
+    mark.answered(keys)
 
 
 @pytest.mark.django_db
 def test_both_kinds_are_offered_members_included_and_remembered():
-    worker = WorkerFactory()
+    worker, mark = WorkerFactory(), offers.OfferMark()
     build, evaluation = BuildFactory(), EvaluationFactory()
     member = EvalMemberFactory()
-    assert sorted(offered(worker)) == sorted([build.job_key, evaluation.job_key, member.job_key])
-    assert JobScore.objects.filter(worker=worker, scored_at__isnull=True).count() == 3
-    assert offered(worker) == []
+    keys = sorted([build.job_key, evaluation.job_key, member.job_key])
+    assert sorted(offered(worker, mark)) == keys
+    assert not JobScore.objects.filter(worker=worker).exists()  # the answers write the rows
+    assert offered(worker, mark) == []  # remembered by the session until answered
+
+
+@pytest.mark.django_db
+def test_an_answered_job_is_never_offered_again_an_unanswered_one_after_a_while():
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    build, evaluation = BuildFactory(), EvaluationFactory()
+    assert sorted(offered(worker, mark)) == sorted([build.job_key, evaluation.job_key])
+    answer(worker, mark, [build.job_key])
+    assert offered(worker, mark) == []
+    mark.full_read_at -= offers.FULL_READ_EVERY + 1  # a full read, too soon for the unanswered
+    assert offered(worker, mark) == []
+    mark.full_read_at -= offers.FULL_READ_EVERY + 1
+    mark.pending[evaluation.job_key] -= offers.FULL_READ_EVERY + 1
+    assert offered(worker, mark) == [evaluation.job_key]
+    assert offered(worker, mark) == []
+    mark.reset()  # new capabilities: what is unanswered goes again at once
+    assert offered(worker, mark) == [evaluation.job_key]
 
 
 @pytest.mark.django_db
@@ -53,8 +80,9 @@ def test_a_long_queue_is_offered_oldest_first_the_rest_at_the_next_request(monke
         e.job_key
         for e in Evaluation.objects.filter(pk__in=[j.pk for j in jobs]).order_by("created_at")
     ]
-    assert offered(worker) == by_age[:2]
-    assert offered(worker) == by_age[2:]
+    mark = offers.OfferMark()
+    assert offered(worker, mark) == by_age[:2]
+    assert offered(worker, mark) == by_age[2:]
 
 
 @pytest.mark.django_db
@@ -93,9 +121,9 @@ def test_finished_evaluations_are_not_scanned_for_an_eval_slot():
 # transaction is the test's own, and a mark could never pass the rows it wrote.
 
 
-def forget_offers(worker):
-    """As if the worker's offers were never recorded: without a mark they would go again."""
-    JobScore.objects.filter(worker=worker).delete()
+def forget_offers(mark):
+    """As if the session had not remembered its offers: without a mark they would go again."""
+    mark.pending.clear()
 
 
 def marked(worker, mark) -> list[str]:
@@ -108,7 +136,7 @@ def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
     worker, mark = WorkerFactory(), offers.OfferMark()
     old = BuildFactory()
     assert marked(worker, mark) == [old.job_key]
-    forget_offers(worker)
+    forget_offers(mark)
     assert marked(worker, mark) == []  # the row is older than the mark: not read
     new = BuildFactory()
     waiting = BuildFactory(status="Created")  # not startable: not offered
@@ -116,7 +144,8 @@ def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
     waiting.status = "Queued"  # its dependencies built: a new row version
     waiting.save()
     assert marked(worker, mark) == [waiting.job_key]
-    assert offered(worker) == [old.job_key]  # without a mark, every job is read
+    # Without a mark every job is read (and without a session, nothing is remembered).
+    assert sorted(offered(worker)) == sorted([old.job_key, new.job_key, waiting.job_key])
 
 
 @pytest.mark.django_db(transaction=True)
@@ -124,11 +153,11 @@ def test_the_mark_is_dropped_for_a_full_read_now_and_then():
     worker, mark = WorkerFactory(), offers.OfferMark()
     job = EvaluationFactory()
     assert marked(worker, mark) == [job.job_key]
-    forget_offers(worker)
+    forget_offers(mark)
     assert marked(worker, mark) == []
     mark.full_read_at -= offers.FULL_READ_EVERY + 1
     assert marked(worker, mark) == [job.job_key]
-    forget_offers(worker)
+    forget_offers(mark)
     mark.reset()  # new capabilities
     assert marked(worker, mark) == [job.job_key]
 

@@ -34,6 +34,7 @@ from workers import reports
 from workers.assignment import FETCH_STEPS
 from workers.consumer import answer_request
 from workers.models import IdleSlot
+from workers.offers import OfferMark
 
 # Budgets, in statements (a transaction's BEGIN and COMMIT are not counted; in a test they are
 # a SAVEPOINT and its RELEASE, which are).
@@ -120,10 +121,11 @@ def test_a_request_with_nothing_to_give():
 def test_an_offer_leaves_out_what_the_worker_was_offered_before():
     project, worker = ProjectFactory(), WorkerFactory()
     first = queued("build", project)
-    offer, _ = answer_request(worker.pk, "eval")  # eval: the build stays queued
+    mark = OfferMark()  # the session's memory of its offers
+    offer, _ = answer_request(worker.pk, "eval", mark)  # eval: the build stays queued
     assert [j.job_id for j in offer.jobs] == [first.job_key]
     second = queued("build", project)
-    offer, _ = answer_request(worker.pk, "eval")
+    offer, _ = answer_request(worker.pk, "eval", mark)
     assert [j.job_id for j in offer.jobs] == [second.job_key]
 
 

@@ -140,13 +140,9 @@ def touch(worker_id: int, channel_name: str) -> bool:
         return cursor.fetchone()[0]
 
 
-# WorkerCapabilities in one statement: new capabilities may change which jobs fit, so the
-# offers not answered yet are forgotten (offered afresh); the row comes back whole, for
-# InitAck's name and the offer that follows.
+# WorkerCapabilities in one statement; the row comes back whole, for InitAck's name and the
+# offer that follows (a full read: new capabilities may change which jobs fit).
 CAPABILITIES_SQL = """
-WITH unscored AS (
-    DELETE FROM job_score WHERE worker_id = %(worker)s AND scored_at IS NULL
-)
 UPDATE worker
 SET architectures = %(architectures)s, system_features = %(system_features)s,
     max_concurrent_builds = %(max_builds)s, max_concurrent_evals = %(max_evals)s,

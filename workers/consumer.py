@@ -422,6 +422,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # refuses an upsert that touches one row twice).
         latest = list({score.job_id: score for score in scores.scores}.values())
         await db(offers.record_scores)(self.worker_id, latest)
+        self.offer_mark.answered(score.job_id for score in latest)
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:

@@ -1,11 +1,19 @@
 """JobOffer and JobScores: what each worker was offered, and what it would have to fetch.
 
 A worker is offered every job it could take, cluster members among them, once per connection
-(the job_score rows of the pairs; a pair never scored counts as the most expensive seat).
-Before each RequestJob is answered, the session asks for the jobs the worker has not been
-offered yet. Finding those used to read every startable job against the worker's job_score
-rows, a few hundred anti-join probes per RequestJob at a busy queue and PostgreSQL's largest
-cost in the throughput benchmark. A session now keeps an OfferMark: the oldest transaction
+(a pair never scored counts as the most expensive seat). Before each RequestJob is answered,
+the session asks for the jobs the worker has not been offered yet: those without a job_score
+row (the worker's answers) and not offered since the last full read while unanswered (the
+mark's `pending`, in the session's memory like the connection itself). A reference worker
+answers each offer before its next RequestJob, and the session handles its frames in order,
+so an answered job is skipped by its row; an offer left unanswered for FULL_READ_EVERY is
+made again by the next read that meets it (a full read, or its row rewritten). Offers used
+to write a job_score row per pair before the answer wrote it again: at 500 workers about
+10,000 pairs a second, and the offer PostgreSQL's costliest statement.
+
+Finding the new jobs used to read every startable job against the worker's job_score rows,
+a few hundred anti-join probes per RequestJob at a busy queue. A session now keeps an
+OfferMark: the oldest transaction
 still running when its last offer read the jobs. A job that became startable since was
 written by that transaction or a later one, so the next offer reads only job rows whose
 last writer (written_xid, indexed) is no older. The mark is dropped (one full read) every
@@ -15,7 +23,7 @@ row shows (the worker's project access) is picked up within that time.
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.db import connection as db_connection
 from django.utils import timezone
@@ -33,10 +41,12 @@ FULL_READ_EVERY = 60.0  # seconds
 @dataclass
 class OfferMark:
     """A session's watermark: the id of the oldest transaction running when its last offer
-    read the jobs, as text (PostgreSQL's 64-bit xid8), and when it last read them all."""
+    read the jobs, as text (PostgreSQL's 64-bit xid8), and when it last read them all; and the
+    jobs offered since that full read that the worker has not scored yet."""
 
     xmin: str | None = None
     full_read_at: float = float("-inf")
+    pending: dict[str, float] = field(default_factory=dict)  # job key -> when offered
 
     def since(self) -> str | None:
         """The xmin to read from, None for a full read."""
@@ -45,7 +55,26 @@ class OfferMark:
         return self.xmin
 
     def reset(self) -> None:
+        """New capabilities: read every job, and offer again what is still unanswered."""
         self.xmin = None
+        self.pending.clear()
+
+    def unanswered(self) -> list[str]:
+        """The jobs offered less than FULL_READ_EVERY ago and not answered: not offered again.
+        Older ones are forgotten, so the next read that meets them offers them again."""
+        stale = time.monotonic() - FULL_READ_EVERY
+        for key in [key for key, at in self.pending.items() if at < stale]:
+            del self.pending[key]
+        return sorted(self.pending)
+
+    def offered(self, keys) -> None:
+        now = time.monotonic()
+        self.pending.update((key, now) for key in keys)
+
+    def answered(self, keys) -> None:
+        """A JobScores answer: its jobs have job_score rows now, which the offers skip."""
+        for key in keys:
+            self.pending.pop(key, None)
 
 
 # The jobs of one kind this worker may take and has not been offered yet, cluster members
@@ -66,18 +95,16 @@ WHERE {since_filter}
     + """
   AND NOT EXISTS (SELECT 1 FROM job_score s
                   WHERE s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text)
+  AND NOT ('{prefix}' || j.id::text = ANY(%(pending)s::text[]))
   {member_filter}
 ORDER BY j.prioritized DESC, j.created_at ASC
 LIMIT %(limit)s
 """
 )
-# Both kinds' unoffered jobs, remembered as offered, in one statement; with the xmin of the
-# statement's own snapshot, on a row of its own when nothing is new.
+# Both kinds' unoffered jobs in one statement, with the xmin of the statement's own
+# snapshot, on a row of its own when nothing is new.
 OFFER_SQL = """
-WITH fresh AS ({parts}), offered AS (
-    INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT %(worker)s, key, %(now)s FROM fresh ON CONFLICT DO NOTHING
-)
+WITH fresh AS ({parts})
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
        key, kind, name, architecture, required_features, paths
 FROM (SELECT) AS snapshot LEFT JOIN fresh ON true
@@ -96,7 +123,8 @@ def new_offers(
     if worker.draining:
         return None
     since = mark.since() if mark is not None else None
-    params = {"worker": worker_id, "now": timezone.now(), "limit": OFFER_BATCH, "since": since}
+    pending = mark.unanswered() if mark is not None else []
+    params = {"worker": worker_id, "limit": OFFER_BATCH, "since": since, "pending": pending}
     parts = []
     for kind in (JobKind.EVAL, JobKind.BUILD):
         how = offerable(worker, kind)
@@ -129,6 +157,8 @@ def new_offers(
         if since is None:
             mark.full_read_at = time.monotonic()
         mark.xmin = rows[0][0]
+    if mark is not None:
+        mark.offered(job[0] for job in jobs)
     if not jobs:
         return None
     return JobOffer(

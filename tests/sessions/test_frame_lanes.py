@@ -24,13 +24,13 @@ def q(fn):
 
 
 class TableLock:
-    """An EXCLUSIVE lock on a table, held by a connection of its own until released: every
-    statement that writes the table (an offer writes job_score) waits for it."""
+    """An ACCESS EXCLUSIVE lock on a table, held by a connection of its own until released:
+    every statement that reads the table waits for it."""
 
     def __init__(self, table: str):
         params = connection.get_connection_params()
         self.conn = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
-        self.conn.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+        self.conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
         self.table = table
 
     def waiters(self) -> int:
@@ -62,8 +62,8 @@ async def test_a_report_is_handled_while_a_request_before_it_waits_for_the_datab
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})
     job = await session.recv_type("AssignJob")
-    await q(lambda: EvaluationFactory())  # not offered yet: the next offer writes job_score
-    lock = await q(lambda: TableLock("job_score"))
+    await q(lambda: EvaluationFactory())
+    lock = await q(lambda: TableLock("job_score"))  # the next offer reads job_score
     try:
         await session.send({"type": "RequestJob", "kind": "eval"})
         assert await eventually(lambda: lock.waiters() == 1)  # the offer waits for the lock
