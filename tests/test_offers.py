@@ -126,24 +126,19 @@ def forget_offers(mark):
     mark.pending.clear()
 
 
-def marked(worker, mark) -> list[str]:
-    offer = offers.new_offers(worker.pk, mark=mark)
-    return [] if offer is None else [job.job_id for job in offer.jobs]
-
-
 @pytest.mark.django_db(transaction=True)
 def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
     worker, mark = WorkerFactory(), offers.OfferMark()
     old = BuildFactory()
-    assert marked(worker, mark) == [old.job_key]
+    assert offered(worker, mark) == [old.job_key]
     forget_offers(mark)
-    assert marked(worker, mark) == []  # the row is older than the mark: not read
+    assert offered(worker, mark) == []  # the row is older than the mark: not read
     new = BuildFactory()
     waiting = BuildFactory(status="Created")  # not startable: not offered
-    assert marked(worker, mark) == [new.job_key]
+    assert offered(worker, mark) == [new.job_key]
     waiting.status = "Queued"  # its dependencies built: a new row version
     waiting.save()
-    assert marked(worker, mark) == [waiting.job_key]
+    assert offered(worker, mark) == [waiting.job_key]
     # Without a mark every job is read (and without a session, nothing is remembered).
     assert sorted(offered(worker)) == sorted([old.job_key, new.job_key, waiting.job_key])
 
@@ -152,14 +147,14 @@ def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
 def test_the_mark_is_dropped_for_a_full_read_now_and_then():
     worker, mark = WorkerFactory(), offers.OfferMark()
     job = EvaluationFactory()
-    assert marked(worker, mark) == [job.job_key]
+    assert offered(worker, mark) == [job.job_key]
     forget_offers(mark)
-    assert marked(worker, mark) == []
+    assert offered(worker, mark) == []
     mark.full_read_at -= offers.FULL_READ_EVERY + 1
-    assert marked(worker, mark) == [job.job_key]
+    assert offered(worker, mark) == [job.job_key]
     forget_offers(mark)
     mark.reset()  # new capabilities
-    assert marked(worker, mark) == [job.job_key]
+    assert offered(worker, mark) == [job.job_key]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -167,10 +162,10 @@ def test_an_offer_cut_short_keeps_its_mark_for_the_rest(monkeypatch):
     monkeypatch.setattr(offers, "OFFER_BATCH", 2)
     worker, mark = WorkerFactory(can_build=False), offers.OfferMark()
     jobs = EvaluationFactory.create_batch(3)
-    first = marked(worker, mark)
+    first = offered(worker, mark)
     assert len(first) == 2
-    assert marked(worker, mark) == [j.job_key for j in jobs if j.job_key not in first]
-    assert marked(worker, mark) == []
+    assert offered(worker, mark) == [j.job_key for j in jobs if j.job_key not in first]
+    assert offered(worker, mark) == []
 
 
 @pytest.mark.django_db(transaction=True)
@@ -180,7 +175,7 @@ def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_nex
     yet unseen by it; the mark is the oldest transaction still running, so it is read next."""
     worker, mark = WorkerFactory(), offers.OfferMark()
     project = BuildFactory().project
-    assert len(marked(worker, mark)) == 1
+    assert len(offered(worker, mark)) == 1
     written, go_on = threading.Event(), threading.Event()
     slow = {}
 
@@ -197,7 +192,7 @@ def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_nex
     thread.start()
     assert written.wait(10)
     quick = BuildFactory(project=project)  # committed at once, after the slow one's insert
-    assert marked(worker, mark) == [quick.job_key]  # the slow one is not committed yet
+    assert offered(worker, mark) == [quick.job_key]  # the slow one is not committed yet
     go_on.set()
     thread.join(10)
-    assert marked(worker, mark) == [slow["job"].job_key]
+    assert offered(worker, mark) == [slow["job"].job_key]

@@ -1,5 +1,5 @@
 """The pruning pass over job_score (workers.pruning): rows of jobs that can no longer start go,
-the rest stay, offers included."""
+the rest stay."""
 
 import uuid
 
@@ -17,15 +17,15 @@ from workers.tasks import prune_scores as prune_task
 pytestmark = pytest.mark.django_db
 
 
-def scores_for(keys, workers, scored=True):
+def scores_for(keys, workers):
     now = timezone.now()
     JobScore.objects.bulk_create(
         JobScore(
             worker=w,
             job_id=key,
             offered_at=now,
-            scored_at=now if scored else None,
-            missing_nar_size=7 if scored else None,
+            scored_at=now,
+            missing_nar_size=7,
         )
         for key in keys
         for w in workers
@@ -58,8 +58,8 @@ def test_rows_of_finished_deleted_or_unknown_jobs_go_and_the_startable_keep_thei
         f"build:{uuid.uuid4()}-and-more",
     ]
     scores_for(live + done[:4], workers)
-    scores_for(done[4:], workers[:1], scored=False)  # offers without an answer count too
-    scores_for(live[:1], [WorkerFactory()], scored=False)
+    scores_for(done[4:], workers[:1])
+    scores_for(live[:1], [WorkerFactory()])
     assert prune_scores() == 4 * 2 + 5
     assert kept() == set(live)
     assert JobScore.objects.filter(job_id=live[0]).count() == 3
@@ -79,13 +79,12 @@ def test_a_backlog_goes_in_batches_of_keys():
     assert prune_task() == 0  # the Celery task runs the same pass
 
 
-def test_a_jobs_rows_offers_included_are_found_through_the_index():
+def test_a_jobs_rows_are_found_through_the_index():
     """The pruning deletes by job key, the dispatch pass reads a job's cheapest scores: both
-    through idx-job_score-job-size, which therefore holds unanswered offers too."""
+    through idx-job_score-job-size."""
     workers = WorkerFactory.create_batch(20)
     keys = [EvaluationFactory().job_key for _ in range(100)]
-    scores_for(keys[:50], workers)
-    scores_for(keys[50:], workers, scored=False)
+    scores_for(keys, workers)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE job_score")
         for sql in (

@@ -189,7 +189,7 @@ def answer_request(worker_id: int, kind: str, mark: offers.OfferMark | None = No
 
 
 class Touch(NamedTuple):
-    """A session's liveness check, queued with its reports (not a protocol message)."""
+    """A session's liveness check, queued with its bulk frames (not a protocol message)."""
 
 
 class OfferAll(NamedTuple):

@@ -3,9 +3,9 @@
 A Channels consumer handles one event at a time: while it awaits a frame's database work, the
 passes' frames to its worker (an AssignJob, a StartCluster) wait too. Under a busy fleet that
 work queues for seconds, so a session hands its frames to two FrameQueues instead and goes
-straight back to its events: one for the start path (acceptances, reports, signals, liveness),
-one for the bulk (offers, scores, requests for work), which may wait for the start path's
-frames that arrived before it but never holds them back.
+straight back to its events: one for the start path (acceptances, reports, signals), one for
+the bulk (offers, scores, requests for work, the liveness touch), which may wait for the start
+path's frames that arrived before it but never holds them back.
 """
 
 import asyncio

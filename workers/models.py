@@ -86,8 +86,9 @@ class IdleSlot(models.Model):
 
 
 class JobScore(models.Model):
-    """A job offered to a worker, and once answered, what the worker would have to fetch.
-    A pair never scored counts as the most expensive seat."""
+    """A worker's answer for a job it was offered: what it would have to fetch (written by
+    its JobScores; offered_at is then the answer's time too). A pair never scored has no row
+    and counts as the most expensive seat."""
 
     worker = models.ForeignKey(Worker, on_delete=models.DB_CASCADE, related_name="+")
     job_id = models.CharField(max_length=64)
@@ -103,7 +104,7 @@ class JobScore(models.Model):
         ]
         indexes = [
             # The dispatch pass reads each member job's cheapest answered scores in order,
-            # from the index alone; the pruning pass finds a job's rows, offers included.
+            # from the index alone; the pruning pass finds a job's rows by key.
             models.Index(
                 fields=["job_id", "missing_nar_size", "worker"],
                 name="idx-job_score-job-size",

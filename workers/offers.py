@@ -13,12 +13,12 @@ to write a job_score row per pair before the answer wrote it again: at 500 worke
 
 Finding the new jobs used to read every startable job against the worker's job_score rows,
 a few hundred anti-join probes per RequestJob at a busy queue. A session now keeps an
-OfferMark: the oldest transaction
-still running when its last offer read the jobs. A job that became startable since was
-written by that transaction or a later one, so the next offer reads only job rows whose
-last writer (written_xid, indexed) is no older. The mark is dropped (one full read) every
-FULL_READ_EVERY seconds and when the worker's capabilities change, so that a change no job
-row shows (the worker's project access) is picked up within that time.
+OfferMark: the oldest transaction still running when its last offer read the jobs. A job
+that became startable since was written by that transaction or a later one, so the next
+offer reads only job rows whose last writer (written_xid, indexed) is no older. The mark is
+dropped (one full read) every FULL_READ_EVERY seconds and when the worker's capabilities
+change, so that a change no job row shows (the worker's project access) is picked up within
+that time.
 """
 
 import time
@@ -100,8 +100,8 @@ ORDER BY j.prioritized DESC, j.created_at ASC
 LIMIT %(limit)s
 """
 )
-# Both kinds' unoffered jobs in one statement, with the xmin of the statement's own
-# snapshot, on a row of its own when nothing is new.
+# Both kinds' unoffered jobs in one statement and one row, with the xmin of the statement's
+# own snapshot (there even when nothing is new).
 #
 # The jobs come as the JobOffer's own JSON (OfferedJob's fields), made by PostgreSQL: turning
 # a hundred rows of arrays into Python values and models, then into JSON again, was a fifth
@@ -138,9 +138,9 @@ def new_offers(
     worker_id: int, worker: Worker | None = None, mark: OfferMark | None = None
 ) -> RenderedOffer | None:
     """Jobs this worker could take that it has not been offered yet, cluster members among
-    them; remembered as offered so the next call sends only newer ones. A caller that has
-    the worker's row passes it (one query less per RequestJob); a session passes its mark,
-    read and moved on here."""
+    them. A caller that has the worker's row passes it (one query less per RequestJob); a
+    session passes its mark, read and moved on here, which remembers what was offered (without
+    one, every job not yet scored comes back)."""
     worker = worker or Worker.objects.get(pk=worker_id)
     if worker.draining:
         return None

@@ -1,12 +1,12 @@
-"""Pruning job_score: a worker's rows (what it was offered, what it answered) serve the offers
-and the placements only while their job can still start. Nothing else removes them while the
-worker stays connected, so without this pass every job ever offered kept one row per worker
-that could take it. It runs on Celery beat every minute (settings.CELERY_BEAT_SCHEDULE) and
+"""Pruning job_score: a worker's rows (its answers to the offers) serve the offers and the
+placements only while their job can still start. Nothing else removes them while the worker
+stays connected, so without this pass every job ever scored kept one row per worker that
+could take it. It runs on Celery beat every minute (settings.CELERY_BEAT_SCHEDULE) and
 deletes the rows of jobs that finished or were deleted, and of keys that name no job (a worker
 may answer for any key; its answer is stored all the same).
 
-The rows of a job whose status is not final stay, its offers included: a requeued build or a
-retried cluster member would otherwise be offered to every worker again. Each batch of keys is
+The rows of a job whose status is not final stay: a requeued build or a retried cluster
+member would otherwise be offered to every worker again. Each batch of keys is
 its own statement, so a backlog never holds long locks.
 """
 
@@ -18,7 +18,7 @@ BATCH = 500  # job keys per DELETE
 
 UUID = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
-# The keys scored or offered whose job cannot start any more, after `after` in key order. The
+# The keys scored whose job cannot start any more, after `after` in key order. The
 # CASE guards the casts: PostgreSQL may test a join condition before a WHERE clause.
 DONE_KEYS_SQL = """
 SELECT k.job_id FROM (SELECT DISTINCT job_id FROM job_score WHERE job_id > %(after)s) k
