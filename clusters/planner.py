@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
-from typing import NamedTuple
 
 import numpy as np
 
@@ -76,9 +75,10 @@ class Snapshot:
     # instead of `scores`, which spares it regrouping every pair (about half its time at 4M
     # pairs); the job_score query can fill it row by row.
     scores_by_job: Mapping[str, Mapping[int, int]] | None = None
-    # The same again as arrays: job key -> (worker ids, sizes), two int64 arrays of one length,
-    # a worker at most once per key. When set, plan() reads this before anything else: a query
-    # can hand over millions of scores without a Python object per pair.
+    # The same again as arrays: job key -> (worker ids, sizes), two int64 arrays of one length
+    # sorted by (size, worker id), a worker at most once per key. When set, plan() reads this
+    # before anything else: a query can hand over millions of scores without a Python object
+    # per pair. load_scores gives the same.
     score_arrays: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
     # Keys whose score_arrays hold only their cheapest scores, sorted by (size, worker id): a
     # prefix of the full list. plan() asks load_scores for a key's full arrays whenever its
@@ -160,6 +160,9 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_S
         return None  # a member without any seat: no need to read the scores
     groups = pool.groups(cluster.same_zone)
     rows = [scores.row(m.key) for m in members]
+    apart = _apart(cluster, seatable, rows, pool)
+    if apart is not None:
+        return apart
     # Each member's scored seats, cheapest first; per zone, the solver sees their shortlist.
     preferred = _preferred(seatable, rows)
     # A member's cheapest scores decide only while they hold k seats of every group: its k
@@ -203,6 +206,56 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_S
     return Placement(cluster.id, zone if cluster.same_zone else None, seats, total)
 
 
+def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_Pool"):
+    """The placement of every member on its own cheapest seat, when that is a minimum-cost
+    one; else None, and the solver decides.
+
+    No seating in a group costs less than the sum of each member's cheapest seat there, so
+    when the group of the least such sum (the first of equals, the zones' tie-break) has those
+    seats on distinct workers, they are a minimum-cost seating, found without the solver and
+    without a member's full list of scores: its cheapest seat is in its cheapest scores
+    whenever one of those is left. Where a member has no scored seat among those read, the
+    sum takes a bound (a truncated list's largest size read, else the unscored cost) and the
+    group cannot be taken here. Most clusters of a large pass are placed this way.
+    """
+    groups = pool.groups(cluster.same_zone)
+    # Per member, the position in its cheapest-first list of its cheapest seat in each group
+    # (-1: none among its scores read).
+    firsts = [
+        pool.first_per_group(row.columns, line[row.columns], cluster.same_zone)
+        for line, row in zip(seatable, rows, strict=True)
+    ]
+    best = None  # (bound, zone, seats: [(column, size)] or None)
+    for group, (zone, _) in enumerate(groups):
+        bound, seats = 0, []
+        for first, row in zip(firsts, rows, strict=True):
+            at = first[group]
+            if at < 0:
+                bound += UNSCORED_COST if row.complete else row.largest
+                seats = None
+            else:
+                size = int(row.sizes[at])
+                bound += size
+                if seats is not None:
+                    seats.append((int(row.columns[at]), size))
+        if best is None or bound < best[0]:
+            best = (bound, zone, seats)
+    if best is None or best[2] is None:
+        return None
+    total, zone, seats = best
+    if len({column for column, _ in seats}) < len(seats):
+        return None  # two members would share a worker: a matching decides
+    return Placement(
+        cluster.id,
+        zone if cluster.same_zone else None,
+        tuple(
+            Seat(member, pool.workers[column], size)
+            for member, (column, size) in zip(cluster.members, seats, strict=True)
+        ),
+        total,
+    )
+
+
 def _costs(rows: list["_Row"], columns: np.ndarray, largest: int):
     """Each member's seat costs over the given columns: its missing NAR size where scored,
     else a stand-in dearer than any scored seating. (Where a column is no seat, the solver's
@@ -219,8 +272,8 @@ def _costs(rows: list["_Row"], columns: np.ndarray, largest: int):
     cost = np.full((k, columns.size), 2.0 * k * top + 1.0)
     sizes = np.full((k, columns.size), -1, dtype=np.int64)
     for line, sized, row in zip(cost, sizes, rows, strict=True):
-        at, found = row.find(columns)
-        sized[found] = row.by_column_sizes[at[found]]
+        found_sizes, found = row.find(columns)
+        sized[found] = found_sizes[found]
         line[found] = sized[found] * scale if scale != 1.0 else sized[found]
     return cost, sizes
 
@@ -283,6 +336,10 @@ class _Pool:
         # Each column's zone, and the zones that have workers at all.
         self._zone_of = np.repeat(np.arange(len(zones)), [count[z] for z in zones])
         self._peopled = np.array([count[z] > 0 for z in zones])
+        # Each column's index among the groups of a same_zone cluster (the peopled zones).
+        group_of_zone = np.cumsum(self._peopled) - 1
+        self._group_of_column = group_of_zone[self._zone_of]
+        self._group_count = int(self._peopled.sum())
         ids = np.array([w.id for w in self.workers], dtype=np.int64)
         self._by_id = np.argsort(ids)
         self._sorted_ids = ids[self._by_id]
@@ -319,6 +376,19 @@ class _Pool:
             return seats.size < k
         counts = np.bincount(self._zone_of[seats], minlength=self._peopled.size)
         return bool((counts[self._peopled] < k).any())
+
+    def first_per_group(self, columns: np.ndarray, seat: np.ndarray, same_zone: bool) -> list:
+        """For columns in a member's cheapest-first order and whether each is a seat, the
+        position of the first seat in each of groups()'s ranges, -1 where there is none."""
+        if not same_zone:
+            at = int(seat.argmax()) if seat.size else 0
+            return [at if seat.size and seat[at] else -1]
+        # Each seat's group (the non-seats a group past the last); written in reverse, so
+        # that the first position of a group is the one that stays.
+        groups = np.where(seat, self._group_of_column[columns], self._group_count)
+        first = np.full(self._group_count + 1, -1)
+        first[groups[::-1]] = np.arange(groups.size - 1, -1, -1)
+        return first[:-1].tolist()
 
     def eligible(self, member: Member) -> np.ndarray:
         """Columns that are a seat for the member (seat_reason None), whether seated or not."""
@@ -377,22 +447,28 @@ def _inverted(workers: tuple[Worker, ...], values) -> dict:
     return masks
 
 
-class _Row(NamedTuple):
-    """One job key's scores from workers in the pool, cheapest first (columns, sizes), and the
-    same by column for lookups; `complete` False when only the cheapest are here."""
+class _Row:
+    """One job key's scores from workers in the pool, cheapest first (columns, sizes);
+    `complete` False when only the cheapest are here. The same by column, for the solver's
+    lookups (find), is sorted only when first asked for: most rows never reach the solver."""
 
-    columns: np.ndarray
-    sizes: np.ndarray
-    largest: int
-    by_column: np.ndarray
-    by_column_sizes: np.ndarray
-    complete: bool = True
+    __slots__ = ("_by_column", "columns", "complete", "largest", "sizes")
+
+    def __init__(self, columns: np.ndarray, sizes: np.ndarray, complete: bool = True):
+        self.columns, self.sizes, self.complete = columns, sizes, complete
+        self.largest = int(sizes[-1]) if sizes.size else 0
+        self._by_column = None
 
     def find(self, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where each column is in by_column, and whether it is there at all (scored)."""
-        at = self.by_column.searchsorted(columns)
-        at[at == self.by_column.size] = 0
-        return at, self.by_column[at] == columns if self.by_column.size else at < 0
+        """The size of each column where scored, and whether it is (a mask)."""
+        if self._by_column is None:
+            order = np.argsort(self.columns)
+            self._by_column = (self.columns[order], self.sizes[order])
+        by_column, sizes = self._by_column
+        at = by_column.searchsorted(columns)
+        at[at == by_column.size] = 0
+        found = by_column[at] == columns if by_column.size else at < 0
+        return sizes[at] if by_column.size else np.zeros(at.size, np.int64), found
 
 
 _NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -419,7 +495,7 @@ class _Scores:
     def row(self, key: str) -> _Row:
         row = self._rows.get(key)
         if row is None:
-            complete = True
+            complete, ordered = True, True
             if key in self._full:
                 ids, sizes = self._full[key]
             elif self._arrays is not None:
@@ -429,7 +505,8 @@ class _Scores:
                 by_worker = (self._by_job or {}).get(key, {})
                 ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
                 sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
-            row = _row(self._pool.column_of(ids), sizes, complete)
+                ordered = False
+            row = _row(self._pool.column_of(ids), sizes, complete, ordered=ordered)
             self._rows[key] = row
         return row
 
@@ -443,21 +520,16 @@ class _Scores:
             self._rows.pop(key, None)
 
 
-def _row(columns: np.ndarray, sizes: np.ndarray, complete: bool = True) -> _Row:
+def _row(columns: np.ndarray, sizes: np.ndarray, complete: bool = True, *, ordered=False) -> _Row:
+    """A row of these scores (columns -1 for workers not in the pool), `ordered` when they
+    come sorted by size already (the dispatch pass's lists: by size, then worker id)."""
     known = columns >= 0  # a score from a worker that holds no idle slot is no use here
     if not known.all():
         columns, sizes = columns[known], sizes[known]
-    order = np.argsort(sizes, kind="stable")
-    columns, sizes = columns[order], sizes[order]
-    by_column = np.argsort(columns)
-    return _Row(
-        columns,
-        sizes,
-        int(sizes[-1]) if sizes.size else 0,
-        columns[by_column],
-        sizes[by_column],
-        complete,
-    )
+    if not ordered:
+        order = np.argsort(sizes, kind="stable")
+        columns, sizes = columns[order], sizes[order]
+    return _Row(columns, sizes, complete)
 
 
 def _regroup(scores: Mapping[tuple[int, str], int], keys: set[str], pool: _Pool) -> dict:
