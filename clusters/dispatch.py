@@ -134,7 +134,8 @@ def snapshot(
                 },
             )
             avoid = {cluster_id: frozenset(workers) for cluster_id, workers in cursor.fetchall()}
-    scores = CheapestScores(keys if idle else [])
+    pinned = frozenset(m.key for c in clusters for m in c.members if m.pin is not None)
+    scores = CheapestScores(keys if idle else [], whole=pinned)
     if stream and not connection.in_atomic_block:
         scores.start()
     else:
@@ -178,30 +179,31 @@ def _cluster_claim(placement: planner.Placement, rows: dict[str, MemberRow], sin
 
 
 def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) -> list:
-    """The AssignJob frames of a claim won."""
+    """The AssignJob frames of a claim won. Built from the database's own rows, so not
+    validated again (model_construct): validating thousands of nested frames was a third of
+    the claimer thread's time in a large pass."""
     frames = []
     hold = hold_secs()
+    attempt = str(claim.attempt_id)
     for assignment, (seat, row) in zip(claim.members, members, strict=True):
+        job = str(row.job)
         frames.append(
             (
                 seat.worker.id,
-                AssignJob(
+                AssignJob.model_construct(
                     job_id=row.key,
                     assignment_id=str(assignment.id),
-                    job=JobSpec(
+                    job=JobSpec.model_construct(
                         kind=row.kind,
                         project=row.project,
-                        evaluation=str(row.job) if row.kind == JobKind.EVAL else None,
-                        build=str(row.job) if row.kind == JobKind.BUILD else None,
+                        evaluation=job if row.kind == JobKind.EVAL else None,
+                        build=job if row.kind == JobKind.BUILD else None,
                         architecture=row.architecture,
                         required_features=list(row.features),
                         steps=assignment.steps,
                     ),
-                    cluster=ClusterHold(
-                        attempt=str(claim.attempt_id),
-                        role=row.role,
-                        index=row.index,
-                        hold_secs=hold,
+                    cluster=ClusterHold.model_construct(
+                        attempt=attempt, role=row.role, index=row.index, hold_secs=hold
                     ),
                 ),
             )
@@ -228,7 +230,7 @@ CLAIM_BATCH = 128
 # the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner is
 # Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
 # One thread, so the batches claim in the planner's order: prioritized clusters first.
-_claimer = ThreadPoolExecutor(1, thread_name_prefix="claims")
+_claimer = ThreadPoolExecutor(2, thread_name_prefix="claims")
 
 
 def claim_placements(placements: tuple[planner.Placement, ...], rows: dict, since) -> set[int]:
@@ -253,9 +255,10 @@ def _claim_on_thread(placements, rows: dict, since) -> set[int]:
 
 
 def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
-    """Claim the placements in batches as the planner yields them; every placement, and the
-    clusters claimed. Inside a transaction of the caller's (tests), whose rows no other
-    connection sees, the batches are claimed on the caller's connection instead."""
+    """Claim the placements in batches as the planner yields them (two at a time); every
+    placement, and the clusters claimed. Inside a transaction of the caller's (tests), whose
+    rows no other connection sees, the batches are claimed on the caller's connection
+    instead."""
     inline = connection.in_atomic_block
     placed: list[planner.Placement] = []
     claimed: set[int] = set()

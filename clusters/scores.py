@@ -121,10 +121,15 @@ _score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
 class CheapestScores(Mapping):
     """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
     keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
-    `truncated` tells (waiting likewise) whether a key has more scores than were read."""
+    `truncated` tells (waiting likewise) whether a key has more scores than were read.
 
-    def __init__(self, keys: list[str]):
+    The keys in `whole` are read in full instead: a pinned member has one seat, which is
+    seldom among its job's cheapest, so the planner would read its full list anyway, one query
+    each while it waits (a tenth of the clusters in docs/benchmarks.md's pass)."""
+
+    def __init__(self, keys: list[str], whole: frozenset[str] = frozenset()):
         self._keys = keys
+        self._whole_keys = whole
         self._bounds = _chunks(len(keys))
         self._chunk_of = {
             key: chunk
@@ -157,6 +162,13 @@ class CheapestScores(Mapping):
                         raise RuntimeError("the pass stopped reading scores")
                     start, stop = self._bounds[chunk]
                     keys = self._keys[start:stop]
+                    whole = [key for key in keys if key in self._whole_keys]
+                    if whole:
+                        keys = [key for key in keys if key not in self._whole_keys]
+                        cursor.execute(ALL_SCORES_SQL, {"keys": whole})
+                        rows = cursor.fetchall()
+                        lists = _unpack_all([packed for _, packed in rows])
+                        self._arrays.update(zip([job_id for job_id, _ in rows], lists, strict=True))
                     cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
                     rows = cursor.fetchall()
                     lists = _unpack_all([packed for _, packed, _ in rows])

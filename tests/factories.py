@@ -1,8 +1,9 @@
 import factory
+from django.utils import timezone
 
 from clusters.models import ClusterJob, ClusterMember
 from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
-from workers.models import Worker, hash_token
+from workers.models import JobScore, Worker, hash_token
 
 
 class ProjectFactory(factory.django.DjangoModelFactory):
@@ -70,3 +71,19 @@ class BuildMemberFactory(factory.django.DjangoModelFactory):
         BuildFactory, project=factory.SelfAttribute("..cluster_job.project")
     )
     role = "client"
+
+
+def answered_scores(triples) -> None:
+    """job_score rows as a worker's JobScores answer leaves them: (worker, job key, size)."""
+    now = timezone.now()
+    JobScore.objects.bulk_create(
+        JobScore(
+            worker=worker,
+            job_id=key,
+            offered_at=now,
+            scored_at=now,
+            missing_count=1,
+            missing_nar_size=size,
+        )
+        for worker, key, size in triples
+    )

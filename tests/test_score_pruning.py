@@ -6,10 +6,9 @@ import uuid
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
-from django.utils import timezone
 
 from gradient.jobs.models import BuildStatus, EvaluationStatus
-from tests.factories import BuildFactory, EvaluationFactory, WorkerFactory
+from tests.factories import BuildFactory, EvaluationFactory, WorkerFactory, answered_scores
 from workers.models import JobScore
 from workers.pruning import prune_scores
 from workers.tasks import prune_scores as prune_task
@@ -18,18 +17,7 @@ pytestmark = pytest.mark.django_db
 
 
 def scores_for(keys, workers):
-    now = timezone.now()
-    JobScore.objects.bulk_create(
-        JobScore(
-            worker=w,
-            job_id=key,
-            offered_at=now,
-            scored_at=now,
-            missing_nar_size=7,
-        )
-        for key in keys
-        for w in workers
-    )
+    answered_scores((w, key, 7) for key in keys for w in workers)
 
 
 def kept() -> set[str]:

@@ -35,25 +35,11 @@ def test_sizes_beyond_32_bits_and_no_lists_at_all():
 
 @pytest.mark.django_db(transaction=True)
 def test_the_reader_keeps_a_few_chunks_ahead_of_the_planner_and_no_further():
-    from django.utils import timezone
+    from tests.factories import WorkerFactory, answered_scores
 
-    from tests.factories import WorkerFactory
-    from workers.models import JobScore
-
-    now = timezone.now()
     worker = WorkerFactory()
     keys = [f"eval:{uuid.uuid4()}" for _ in range(FIRST_CHUNK + 5 * SCORE_CHUNK)]
-    JobScore.objects.bulk_create(
-        JobScore(
-            worker=worker,
-            job_id=key,
-            offered_at=now,
-            scored_at=now,
-            missing_count=1,
-            missing_nar_size=size,
-        )
-        for size, key in enumerate(keys)
-    )
+    answered_scores((worker, key, size) for size, key in enumerate(keys))
     scores = CheapestScores(keys).start()
     try:
         chunks = scores._read
@@ -70,3 +56,23 @@ def test_the_reader_keeps_a_few_chunks_ahead_of_the_planner_and_no_further():
         assert scores[keys[-1]][1].tolist() == [len(keys) - 1]  # and the rest on demand
     finally:
         scores.finish()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_keys_asked_whole_come_in_full_the_others_cheapest_first_and_truncated():
+    from clusters.scores import CHEAPEST
+    from tests.factories import WorkerFactory, answered_scores
+
+    workers = WorkerFactory.create_batch(CHEAPEST + 3)
+    pinned, other = f"eval:{uuid.uuid4()}", f"build:{uuid.uuid4()}"
+    # The last workers are the cheapest.
+    answered_scores((w, key, 1000 - i) for key in (pinned, other) for i, w in enumerate(workers))
+    by_size = [w.pk for w in reversed(workers)]
+
+    scores = CheapestScores([other, pinned], whole=frozenset({pinned}))
+    scores.read()
+
+    assert scores[pinned][0].tolist() == by_size  # every score, cheapest first
+    assert pinned not in scores.truncated
+    assert scores[other][0].tolist() == by_size[:CHEAPEST]
+    assert other in scores.truncated
