@@ -196,3 +196,51 @@ def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_nex
     go_on.set()
     thread.join(10)
     assert offered(worker, mark) == [slow["job"].job_key]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_a_read_that_found_nothing_a_cheap_probe_comes_first():
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    BuildFactory()
+    assert len(offered(worker, mark)) == 1
+    assert offered(worker, mark) == []  # nothing new: the mark is quiet now
+    assert mark.quiet
+    before = mark.xmin
+
+    with CaptureQueriesContext(db_connection) as queries:
+        assert offered(worker, mark) == []
+    # Only the worker's row and the probe: no job was written since the mark.
+    assert [q["sql"] for q in queries][-1].lstrip().startswith("SELECT pg_snapshot_xmin")
+    assert len(queries) == 2
+    assert int(mark.xmin) >= int(before)  # moved on as the read would have
+
+    new = EvaluationFactory()
+    assert offered(worker, mark) == [new.job_key]
+    assert not mark.quiet
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_committed_after_a_probe_that_could_not_see_it_comes_with_the_next():
+    worker, mark = WorkerFactory(), offers.OfferMark()
+    project = BuildFactory().project
+    assert len(offered(worker, mark)) == 1
+    assert offered(worker, mark) == []  # quiet
+    written, go_on = threading.Event(), threading.Event()
+    slow = {}
+
+    def slow_submission():
+        try:
+            with transaction.atomic():
+                slow["job"] = BuildFactory(project=project)
+                written.set()
+                go_on.wait(10)
+        finally:
+            db_connection.close()
+
+    thread = threading.Thread(target=slow_submission)
+    thread.start()
+    assert written.wait(10)
+    assert offered(worker, mark) == []  # the probe cannot see it yet, and moves the mark
+    go_on.set()
+    thread.join(10)
+    assert offered(worker, mark) == [slow["job"].job_key]
