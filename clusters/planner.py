@@ -212,7 +212,7 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
 
     No seating in a group costs less than the sum of each member's cheapest seat there, so
     when the group of the least such sum (the first of equals, the zones' tie-break) has those
-    seats on distinct workers, they are a minimum-cost seating, found without the solver and
+    seats, or seats as cheap, on distinct workers, they are a minimum-cost seating, found without the solver and
     without a member's full list of scores: its cheapest seat is in its cheapest scores
     whenever one of those is left. Where a member has no scored seat among those read, the
     sum takes a bound (a truncated list's largest size read, else the unscored cost) and the
@@ -225,8 +225,8 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
         pool.first_per_group(row.columns, line[row.columns], cluster.same_zone)
         for line, row in zip(seatable, rows, strict=True)
     ]
-    best = None  # (bound, zone, seats: [(column, size)] or None)
-    for group, (zone, _) in enumerate(groups):
+    best = None  # (bound, zone, seats: [(column, size)] or None, columns)
+    for group, (zone, columns) in enumerate(groups):
         bound, seats = 0, []
         for first, row in zip(firsts, rows, strict=True):
             at = first[group]
@@ -239,12 +239,16 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
                 if seats is not None:
                     seats.append((int(row.columns[at]), size))
         if best is None or bound < best[0]:
-            best = (bound, zone, seats)
+            best = (bound, zone, seats, columns)
     if best is None or best[2] is None:
         return None
-    total, zone, seats = best
+    total, zone, seats, columns = best
     if len({column for column, _ in seats}) < len(seats):
-        return None  # two members would share a worker: a matching decides
+        # Two members' cheapest is one worker: another seat just as cheap may do (sizes tie
+        # often, a worker that has everything costs 0 to all); else a matching decides.
+        seats = _among_ties(seatable, rows, seats, columns)
+        if seats is None:
+            return None
     return Placement(
         cluster.id,
         zone if cluster.same_zone else None,
@@ -254,6 +258,22 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
         ),
         total,
     )
+
+
+def _among_ties(seatable: np.ndarray, rows: list["_Row"], seats: list, columns: slice):
+    """Each member, in order, on the first free seat of the group as cheap as its cheapest
+    there (`seats`), or None when one finds none: the first fit, not a matching."""
+    taken: set[int] = set()
+    chosen = []
+    for line, row, (_, size) in zip(seatable, rows, seats, strict=True):
+        at = row.columns
+        fits = line[at] & (row.sizes == size) & (at >= columns.start) & (at < columns.stop)
+        column = next((c for c in at[fits].tolist() if c not in taken), None)
+        if column is None:
+            return None
+        taken.add(column)
+        chosen.append((column, size))
+    return chosen
 
 
 def _costs(rows: list["_Row"], columns: np.ndarray, largest: int):
