@@ -226,10 +226,13 @@ def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) ->
 # commits, so the first seats hear of their claim after one batch, not after the pass.
 CLAIM_BATCH = 128
 
-# The batches are claimed on a thread of their own, with its own database connection, while
-# the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner is
-# Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
-# One thread, so the batches claim in the planner's order: prioritized clusters first.
+# The batches are claimed on threads of their own, each with its own database connection,
+# while the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner
+# is Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
+# Two threads, so that one batch's statements run while the other's frames are built: with
+# one, the claims took longer than the plan and the pass waited for them. The batches of a
+# pass are disjoint (a cluster, a job and a seat at most once), so they cannot deadlock or
+# decide against each other; they start in the planner's order, prioritized clusters first.
 _claimer = ThreadPoolExecutor(2, thread_name_prefix="claims")
 
 
