@@ -26,6 +26,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -181,6 +182,7 @@ class Stopwatch:
         from clusters import dispatch
 
         self.totals: dict[str, float] = {}
+        self.lock = threading.Lock()
         self.saved = []
         for piece, name in self.PIECES.items():
             self._wrap(dispatch, name, piece)
@@ -202,7 +204,8 @@ class Stopwatch:
         dispatch.planner.placements = timed_placements
 
     def _add(self, piece: str, secs: float) -> None:
-        self.totals[piece] = self.totals.get(piece, 0.0) + secs
+        with self.lock:  # the claimer threads add theirs at once
+            self.totals[piece] = self.totals.get(piece, 0.0) + secs
 
     def _wrap(self, module, name, piece):
         original = getattr(module, name)
@@ -338,17 +341,18 @@ def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
         " project only, some members need `kvm` or `aarch64-linux`; 20% of the (worker, member"
         " job) pairs have a score in `job_score` (about 4 million rows at 1,000 x 5,000). Rows"
         " are written straight into the tables (no sessions), and the channel layer is the"
-        " in-memory one, so sends cost next to nothing. The pass runs on three threads, each"
+        " in-memory one, so sends cost next to nothing. The pass runs on four threads, each"
         " with its own database connection: the calling one plans, a reader fetches each member"
         " job's cheapest scores in chunks (32 keys, then 256, in the clusters' order, at most"
-        " two chunks ahead of the planner), and a claimer"
-        " claims the placements in batches of 128 as the planner yields them (each batch one"
+        " two chunks ahead of the planner; a pinned member's job in full), and two claimers"
+        " claim the placements in batches of 128 as the planner yields them (each batch one"
         " transaction of two pipelined round trips, then one `send_frames`). The columns after"
         " the pass are its pieces in seconds, timed by wrappers around what `run_pass` calls:"
         " `startable_clusters` (the book); `snapshot` (the idle workers, until the planner can"
         " start); `plan` (producing the placements, including any wait for a chunk of scores"
-        " and the full score lists read late in the pass); `claims` (the claimer thread's time"
-        " on its batches, which overlaps the plan); `wait` (after the last placement, until"
+        " and the full score lists read late in the pass); `claims` (the claimer"
+        " threads' time on their batches, summed, which overlaps the plan); `wait` (after the"
+        " last placement, until"
         " the last batch is claimed); other is the advisory lock, `expire_overdue_prepares`,"
         " the reservation pass and the rest. The pass is the sum of every column but `claims`."
         f" Medians over {repeat} passes after a warm-up pass, each pass starting from the same"
@@ -358,13 +362,20 @@ def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
         " long). Where the time goes: the reader's queries take the"
         " 129 cheapest scores of each member job from `idx-job_score-job-size` alone (about"
         " half a million index entries at 1,000 x 5,000, not 4 million rows); the plan is a few"
-        " numpy operations per cluster plus, late in the pass when the cheapest workers are"
-        " taken, one query per member job that needs its full list (about a hundred); the"
+        " numpy operations per cluster: most clusters (nine in ten at 1,000 x 5,000) are"
+        " seated with every member on its own cheapest seat, which no seating can beat, and"
+        " only the rest go to"
+        ' scipy\'s solver (docs/design.md, "Most clusters need no solver"); a member job whose'
+        " cheapest scores are all taken late in the pass is read in full (about two a pass"
+        " since pinned members' jobs are read in full up front; about seventy before). The"
         " claims are a handful of set-based statements per batch (the seats locked, the"
         " attempts, every member's claim row, the builds' transition), their rows sent as one"
         " JSON document per statement, and the deferred foreign key checks at each commit, then"
-        " the AssignJob frames built in Python. Run one after another on one connection, the"
-        " same pieces took about 1.2 s at 1,000 x 5,000 on this machine: the threads let"
+        " the AssignJob frames built in Python (not validated again: they come from the"
+        " database's rows). With one claimer thread the claims took longer than the plan and"
+        " the pass waited for them (0.93 s median in the hour the change was made, against"
+        " 0.76 s with two and the planner's shortcut). Run one after another on one connection,"
+        " the same pieces took about 1.2 s at 1,000 x 5,000 on this machine: the threads let"
         " PostgreSQL read and write on one core while the planner runs on the other."
         " Parameters are bound by PostgreSQL (server-side binding) and a statement is prepared"
         " once a connection has run it five times (docs/design.md): with parameters spliced"

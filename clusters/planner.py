@@ -212,11 +212,12 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
 
     No seating in a group costs less than the sum of each member's cheapest seat there, so
     when the group of the least such sum (the first of equals, the zones' tie-break) has those
-    seats, or seats as cheap, on distinct workers, they are a minimum-cost seating, found without the solver and
-    without a member's full list of scores: its cheapest seat is in its cheapest scores
-    whenever one of those is left. Where a member has no scored seat among those read, the
-    sum takes a bound (a truncated list's largest size read, else the unscored cost) and the
-    group cannot be taken here. Most clusters of a large pass are placed this way.
+    seats, or seats as cheap, on distinct workers, they are a minimum-cost seating, found
+    without the solver and without a member's full list of scores: its cheapest seat is in
+    its cheapest scores whenever one of those is left. Where a member has no scored seat
+    among those read, the sum takes a bound (a truncated list's largest size read, else the
+    unscored cost) and the group cannot be taken here. Most clusters of a large pass are
+    placed this way.
     """
     groups = pool.groups(cluster.same_zone)
     # Per member, the position in its cheapest-first list of its cheapest seat in each group
