@@ -165,10 +165,10 @@ def reset_for_pass() -> None:
 
 class Stopwatch:
     """Wraps the functions run_pass calls, summing each one's wall time. The planner is a
-    generator whose placements are claimed in batches on another thread as they come: `plan`
-    is the time spent producing placements, `claims` the claimer thread's time on its batches
-    (overlapping the plan), `wait` the rest of `_claim_all` (mostly waiting for the last
-    batch once the plan is done)."""
+    generator whose placements are claimed in batches on other threads as they come: `plan`
+    is the time spent producing placements, `claims` the claimer threads' time on their
+    batches, summed (overlapping the plan), `wait` the rest of `_claim_all` (mostly waiting
+    for the last batch once the plan is done)."""
 
     PIECES = {
         "expire": "expire_overdue_prepares",

@@ -181,7 +181,7 @@ def _cluster_claim(placement: planner.Placement, rows: dict[str, MemberRow], sin
 def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) -> list:
     """The AssignJob frames of a claim won. Built from the database's own rows, so not
     validated again (model_construct): validating thousands of nested frames was a third of
-    the claimer thread's time in a large pass."""
+    the claims' time in a large pass."""
     frames = []
     hold = hold_secs()
     attempt = str(claim.attempt_id)
