@@ -404,12 +404,15 @@ class _Pool:
         if not same_zone:
             at = int(seat.argmax()) if seat.size else 0
             return [at if seat.size and seat[at] else -1]
-        # Each seat's group (the non-seats a group past the last); written in reverse, so
-        # that the first position of a group is the one that stays.
+        # Each seat's group, the non-seats a group past the last; np.unique gives the first
+        # position of each.
         groups = np.where(seat, self._group_of_column[columns], self._group_count)
-        first = np.full(self._group_count + 1, -1)
-        first[groups[::-1]] = np.arange(groups.size - 1, -1, -1)
-        return first[:-1].tolist()
+        found, first = np.unique(groups, return_index=True)
+        out = [-1] * self._group_count
+        for group, at in zip(found.tolist(), first.tolist(), strict=True):
+            if group < self._group_count:
+                out[group] = at
+        return out
 
     def eligible(self, member: Member) -> np.ndarray:
         """Columns that are a seat for the member (seat_reason None), whether seated or not."""
