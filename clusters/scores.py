@@ -169,8 +169,10 @@ class CheapestScores(Mapping):
                         rows = cursor.fetchall()
                         lists = _unpack_all([packed for _, packed in rows])
                         self._arrays.update(zip([job_id for job_id, _ in rows], lists, strict=True))
-                    cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
-                    rows = cursor.fetchall()
+                    rows = []
+                    if keys:  # (a chunk may hold pinned members' keys only)
+                        cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
+                        rows = cursor.fetchall()
                     lists = _unpack_all([packed for _, packed, _ in rows])
                     for (job_id, _, count), (ids, sizes) in zip(rows, lists, strict=True):
                         if count > CHEAPEST:

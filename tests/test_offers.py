@@ -168,6 +168,31 @@ def test_an_offer_cut_short_keeps_its_mark_for_the_rest(monkeypatch):
     assert offered(worker, mark) == []
 
 
+class SlowSubmission:
+    """A build inserted by a transaction on another connection that stays open until
+    commit(): written before the offers that follow, committed after them."""
+
+    def __init__(self, project):
+        self.job = None
+        self._written, self._go_on = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._submit, args=(project,))
+        self._thread.start()
+        assert self._written.wait(10)
+
+    def _submit(self, project):
+        try:
+            with transaction.atomic():
+                self.job = BuildFactory(project=project)
+                self._written.set()
+                self._go_on.wait(10)
+        finally:
+            db_connection.close()
+
+    def commit(self):
+        self._go_on.set()
+        self._thread.join(10)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_next():
     """The race a watermark must not lose: a job written by a transaction that began before
@@ -176,26 +201,11 @@ def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_nex
     worker, mark = WorkerFactory(), offers.OfferMark()
     project = BuildFactory().project
     assert len(offered(worker, mark)) == 1
-    written, go_on = threading.Event(), threading.Event()
-    slow = {}
-
-    def slow_submission():
-        try:
-            with transaction.atomic():
-                slow["job"] = BuildFactory(project=project)
-                written.set()
-                go_on.wait(10)
-        finally:
-            db_connection.close()
-
-    thread = threading.Thread(target=slow_submission)
-    thread.start()
-    assert written.wait(10)
+    slow = SlowSubmission(project)
     quick = BuildFactory(project=project)  # committed at once, after the slow one's insert
     assert offered(worker, mark) == [quick.job_key]  # the slow one is not committed yet
-    go_on.set()
-    thread.join(10)
-    assert offered(worker, mark) == [slow["job"].job_key]
+    slow.commit()
+    assert offered(worker, mark) == [slow.job.job_key]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -225,22 +235,7 @@ def test_a_job_committed_after_a_probe_that_could_not_see_it_comes_with_the_next
     project = BuildFactory().project
     assert len(offered(worker, mark)) == 1
     assert offered(worker, mark) == []  # quiet
-    written, go_on = threading.Event(), threading.Event()
-    slow = {}
-
-    def slow_submission():
-        try:
-            with transaction.atomic():
-                slow["job"] = BuildFactory(project=project)
-                written.set()
-                go_on.wait(10)
-        finally:
-            db_connection.close()
-
-    thread = threading.Thread(target=slow_submission)
-    thread.start()
-    assert written.wait(10)
+    slow = SlowSubmission(project)
     assert offered(worker, mark) == []  # the probe cannot see it yet, and moves the mark
-    go_on.set()
-    thread.join(10)
-    assert offered(worker, mark) == [slow["job"].job_key]
+    slow.commit()
+    assert offered(worker, mark) == [slow.job.job_key]
