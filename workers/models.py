@@ -90,7 +90,15 @@ class JobScore(models.Model):
     its JobScores; offered_at is then the answer's time too). A pair never scored has no row
     and counts as the most expensive seat."""
 
-    worker = models.ForeignKey(Worker, on_delete=models.DB_CASCADE, related_name="+")
+    # The key is the pair: no id column, sequence or index of its own to write for each of
+    # the tens of thousands of rows a busy fleet's answers add a minute.
+    pk = models.CompositePrimaryKey("worker", "job_id")
+    worker = models.ForeignKey(
+        Worker,
+        on_delete=models.DB_CASCADE,
+        related_name="+",
+        db_index=False,  # the key's own index leads with the worker
+    )
     job_id = models.CharField(max_length=64)
     offered_at = models.DateTimeField()
     missing_count = models.BigIntegerField(null=True)
@@ -99,9 +107,6 @@ class JobScore(models.Model):
 
     class Meta:
         db_table = "job_score"
-        constraints = [
-            models.UniqueConstraint(fields=["worker", "job_id"], name="idx-job_score-worker-job"),
-        ]
         indexes = [
             # The dispatch pass reads each member job's cheapest answered scores in order,
             # from the index alone; the pruning pass finds a job's rows by key.

@@ -24,7 +24,11 @@ def snapshot():
     return (
         list(DispatchedJob.objects.values_list("id", "finished_at", "outcome").order_by("id")),
         list(IdleSlot.objects.values_list("worker_id", "kind", "recorded_at").order_by("id")),
-        list(JobScore.objects.values_list("job_id", "missing_nar_size").order_by("id")),
+        list(
+            JobScore.objects.values_list("worker_id", "job_id", "missing_nar_size").order_by(
+                "worker_id", "job_id"
+            )
+        ),
         list(DerivationBuild.objects.values_list("id", "status").order_by("id")),
         list(
             Worker.objects.values_list("name", "zone", "draining", "architectures").order_by("id")
