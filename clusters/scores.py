@@ -16,6 +16,8 @@ from itertools import pairwise
 import numpy as np
 from django.db import close_old_connections, connection
 
+from gradient.postgresql.arrays import text_array
+
 # Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
 # more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
 # pairs: an index-only scan of a few hundred entries per job instead of every score. The
@@ -79,7 +81,7 @@ def _unpack_all(packed: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
 def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
     with connection.cursor() as cursor:
-        cursor.execute(ALL_SCORES_SQL, {"keys": keys})
+        cursor.execute(ALL_SCORES_SQL, {"keys": text_array(keys)})
         rows = cursor.fetchall()
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
 
@@ -165,13 +167,15 @@ class CheapestScores(Mapping):
                     whole = [key for key in keys if key in self._whole_keys]
                     if whole:
                         keys = [key for key in keys if key not in self._whole_keys]
-                        cursor.execute(ALL_SCORES_SQL, {"keys": whole})
+                        cursor.execute(ALL_SCORES_SQL, {"keys": text_array(whole)})
                         rows = cursor.fetchall()
                         lists = _unpack_all([packed for _, packed in rows])
                         self._arrays.update(zip([job_id for job_id, _ in rows], lists, strict=True))
                     rows = []
                     if keys:  # (a chunk may hold pinned members' keys only)
-                        cursor.execute(CHEAPEST_SCORES_SQL, {"keys": keys, "limit": CHEAPEST})
+                        cursor.execute(
+                            CHEAPEST_SCORES_SQL, {"keys": text_array(keys), "limit": CHEAPEST}
+                        )
                         rows = cursor.fetchall()
                     lists = _unpack_all([packed for _, packed, _ in rows])
                     for (job_id, _, count), (ids, sizes) in zip(rows, lists, strict=True):

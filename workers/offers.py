@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from clusters.tracking import active_member_sql
 from gradient.jobs.models import EvaluationStatus, JobKind
+from gradient.postgresql.arrays import int_array, text_array
 from workers.assignment import FETCH_STEPS, JOB_FILTER_SQL, job_filter_params, job_table, offerable
 from workers.models import Worker
 from workers.protocol import JobOffer, OfferedJob
@@ -161,7 +162,7 @@ def new_offers(
     since = mark.since() if mark is not None else None
     if since is not None and mark.quiet and not written_since(mark, since):
         return None
-    pending = mark.unanswered() if mark is not None else []
+    pending = text_array(mark.unanswered() if mark is not None else [])
     params = {"worker": worker_id, "limit": OFFER_BATCH, "since": since, "pending": pending}
     parts = []
     for kind in (JobKind.EVAL, JobKind.BUILD):
@@ -239,9 +240,9 @@ def record_scores(worker_id: int, scores) -> int:
             {
                 "worker": worker_id,
                 "now": timezone.now(),
-                "jobs": [s.job_id for s in scores],
-                "counts": [s.missing_count for s in scores],
-                "sizes": [s.missing_nar_size for s in scores],
+                "jobs": text_array([s.job_id for s in scores]),
+                "counts": int_array(s.missing_count for s in scores),
+                "sizes": int_array(s.missing_nar_size for s in scores),
             },
         )
     return len(scores)

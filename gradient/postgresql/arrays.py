@@ -1,0 +1,26 @@
+"""Long lists as one PostgreSQL array literal each, for a `%s::text[]` or `%s::bigint[]`
+parameter.
+
+psycopg dumps a Python list element by element in Python (a dumper lookup and a check for
+each): for a JobScores answer of 255 scores, its three lists took about 0.9 ms to dump and
+PostgreSQL 0.05 ms to read. The same values as literals ("{...}", parsed by PostgreSQL's array
+input) take about 0.1 ms in all. The batch claims pass their rows as JSON for the same reason.
+"""
+
+from collections.abc import Iterable, Sequence
+
+
+def text_array(values: Sequence[str]) -> str:
+    """The array literal of these strings: every element double-quoted, so that a comma, a
+    brace, a space or the word NULL stays text; quotes and backslashes escaped."""
+    if not values:
+        return "{}"
+    plain = "".join(values)
+    if '"' in plain or "\\" in plain:
+        values = [v.replace("\\", "\\\\").replace('"', '\\"') for v in values]
+    return '{"' + '","'.join(values) + '"}'
+
+
+def int_array(values: Iterable[int]) -> str:
+    """The array literal of these integers."""
+    return "{" + ",".join(str(int(v)) for v in values) + "}"
