@@ -268,6 +268,7 @@ def outcomes() -> dict:
 
 
 async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
+    from gradient import heap
     from workers.simulator import WorkerConfig
 
     tally = Tally()
@@ -279,6 +280,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
         await asyncio.sleep(args.ramp * i / len(workers))
         await w.run()
 
+    # The fleet's process shares the cores with the stack: its collector set as the stack's.
+    heap.settle()
     tasks = [asyncio.create_task(launch(i, w)) for i, w in enumerate(workers)]
     feeding = threading.Thread(target=feeder.run, name="feeder")
     feeding.start()

@@ -1,11 +1,12 @@
 """Thin Celery wrappers around the passes."""
 
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_process_init, worker_ready
 
 from clusters.dispatch import clear_wake, run_pass
 from clusters.recovery import recover
 from clusters.retention import run_retention
+from gradient import heap
 
 
 @shared_task(name="clusters.dispatch", ignore_result=True)
@@ -30,3 +31,9 @@ def retention() -> int:
 def recover_at_start(**_):
     # A restart resumes from the database: overdue prepares, orphaned attempts.
     recover_clusters.delay()
+
+
+@worker_process_init.connect
+def settle_heap(**_):
+    # Each pool process, once forked with the tasks' modules loaded.
+    heap.settle()

@@ -14,6 +14,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from gradient import heap  # noqa: E402
 from workers.consumer import WorkerConsumer  # noqa: E402
 
 
@@ -40,3 +41,6 @@ application = ProtocolTypeRouter(
         "websocket": URLRouter([path("proto", WorkerConsumer.as_asgi())]),
     }
 )
+
+# Everything above is loaded for the life of the process.
+heap.settle()

@@ -11,6 +11,7 @@ from collections import Counter
 from django.core.management.base import CommandError
 from django.db import connection, transaction
 
+from gradient import heap
 from gradient.jobs.management.json_command import JsonCommand, Once, checked_name
 from gradient.jobs.models import Project
 from workers.models import Worker, hash_token
@@ -68,6 +69,7 @@ class Command(JsonCommand):
         tokens = issue_tokens(names, projects)
         connection.close()  # the fleet may run for hours without touching the database
         raise_fd_limit(len(names))
+        heap.settle()  # hundreds of sessions for hours, like the server's own processes
         fleet = Fleet(
             [(name, tokens[name], configs[name]) for name in names],
             url=split_list(options["url"], ",", "--url"),
