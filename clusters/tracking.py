@@ -1,7 +1,9 @@
 """The spec's Tracking: which jobs are cluster members, and which clusters can start.
 
 Members of a Queued cluster start only as members (through the dispatch pass); members of a
-Running cluster wait for it. The single path asks here, in SQL, so it never sees them.
+Running cluster wait for it. The single path never sees them: each job row's active_member
+says whether it is a member of a Queued or Running cluster, kept by triggers on cluster_member
+and cluster_job (migration 0005), whoever writes them.
 """
 
 import uuid
@@ -14,20 +16,7 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import CLUSTER_ACTIVE
 from gradient.jobs.models import JobKind
-
-_ACTIVE = ", ".join(f"'{s.value}'" for s in sorted(CLUSTER_ACTIVE))
-
-
-def active_member_sql(job_id_sql: str, kind: str) -> str:
-    """A correlated subquery: is the job `job_id_sql` (of `kind`) a member of a Queued or
-    Running cluster? `job_id_sql` is a column reference of the caller's query."""
-    column = "evaluation_id" if kind == "eval" else "derivation_build_id"
-    return (
-        "SELECT 1 FROM cluster_member m JOIN cluster_job c ON c.id = m.cluster_job_id"
-        f" WHERE m.{column} = {job_id_sql} AND c.status IN ({_ACTIVE})"
-    )
 
 
 @dataclass(frozen=True)

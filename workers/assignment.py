@@ -12,7 +12,6 @@ from typing import NamedTuple
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.tracking import active_member_sql
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.transitions import advance_build, advance_evaluation
@@ -26,7 +25,8 @@ BUILD_STEPS = ["build"]
 CANDIDATES = 20  # claims lost to rivals fall through to the next candidate
 
 # Jobs of one kind this worker may take, best first: prioritized, least to fetch (a job never
-# scored counts as the most expensive), oldest. With each, what its claim, its AssignJob and
+# scored counts as the most expensive), oldest; never a member of a Queued or Running cluster
+# (the row's active_member, clusters.tracking). With each, what its claim, its AssignJob and
 # its JobOffer need, so none of them reads the job again. The {placeholders} are fixed SQL
 # fragments.
 # What makes a job of a table one this worker may take now (shared with the offers): its
@@ -51,7 +51,7 @@ LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j
 WHERE """
     + JOB_FILTER_SQL
     + """
-  AND NOT EXISTS ({active_member})
+  AND NOT j.active_member
 ORDER BY j.prioritized DESC, s.missing_nar_size ASC NULLS LAST, j.created_at ASC
 LIMIT %(limit)s
 """
@@ -123,7 +123,6 @@ def candidates(worker: Worker, how: Offerable, *, limit=CANDIDATES) -> list:
         prefix=prefix,
         statuses="statuses",
         substitute="j.cache_available" if how.kind == JobKind.BUILD else "false",
-        active_member=active_member_sql("j.id", how.kind),
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, {**job_filter_params(worker, how), "limit": limit})

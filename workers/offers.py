@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from django.db import connection as db_connection
 from django.utils import timezone
 
-from clusters.tracking import active_member_sql
 from gradient.jobs.models import EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array, text_array
 from workers.assignment import FETCH_STEPS, JOB_FILTER_SQL, job_filter_params, job_table, offerable
@@ -171,13 +170,12 @@ def new_offers(
             continue
         table, prefix = job_table(kind)
         fetch_only = how.steps_for.get(EvaluationStatus.QUEUED) == FETCH_STEPS
-        member_filter = f"AND NOT EXISTS ({active_member_sql('j.id', kind)})"
         part = UNOFFERED_SQL.format(
             table=table,
             prefix=prefix,
             kind=kind,
             statuses=f"{kind}_statuses",  # the kinds' statuses differ; the rest is shared
-            member_filter=member_filter if fetch_only else "",
+            member_filter="AND NOT j.active_member" if fetch_only else "",
             # Two texts, not one with an OR: a plan for both could use the index for neither.
             since_filter=WRITTEN_SINCE if since is not None else "true",
         )
