@@ -29,6 +29,7 @@ import asyncio
 import os
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 import threading
@@ -55,19 +56,56 @@ class Tally:
     def __init__(self):
         self.starts: dict[str, list[float]] = {"member": [], "single": []}
         self.events: Counter = Counter()
+        # Where a member's slot spends its time, (when, seconds): from the RequestJob that
+        # follows the slot's release to the member's AssignJob, and from that AssignJob to the
+        # StartCluster.
+        self.waits: dict[str, list[tuple[float, float]]] = {"idle": [], "held": []}
 
     def between(self, kind: str, since: float, until: float) -> int:
         return sum(since <= t < until for t in self.starts[kind])
+
+    def median_p90(self, what: str, since: float, until: float) -> tuple[float, float] | None:
+        secs = sorted(v for t, v in self.waits[what] if since <= t < until)
+        if not secs:
+            return None
+        return statistics.median(secs), secs[min(len(secs) - 1, int(len(secs) * 0.9))]
 
 
 def counting_worker_class(tally: Tally):
     from workers.simulator import SimulatedWorker
 
     class CountingWorker(SimulatedWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.free_since: dict[str, float] = {}  # kind -> the first RequestJob since free
+            self.assigned_at: dict[str, float] = {}  # held member's job id -> its AssignJob
+
         def _start(self, job):
             super()._start(job)
             self_kind = "member" if job.attempt is not None else "single"
             tally.starts[self_kind].append(time.monotonic())
+
+        async def _request(self, kind):
+            if self.connected and not self.draining:
+                self.free_since.setdefault(kind, time.monotonic())  # resends keep the first
+            await super()._request(kind)
+
+        async def _on_assign(self, assign):
+            now = time.monotonic()
+            since = self.free_since.pop(assign.job.kind, None)
+            if assign.cluster is not None:
+                self.assigned_at[assign.job_id] = now
+                if since is not None:
+                    tally.waits["idle"].append((now, now - since))
+            await super()._on_assign(assign)
+
+        async def _on_start(self, start):
+            now = time.monotonic()
+            for job in self.held:
+                at = self.assigned_at.pop(job.job_id, None)
+                if job.attempt == start.attempt and at is not None:
+                    tally.waits["held"].append((now, now - at))
+            await super()._on_start(start)
 
         async def _on_offer(self, offer):
             tally.events["offered_pairs"] += len(offer.jobs)  # (worker, job) pairs to score
@@ -337,6 +375,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
         "members": members,
         "singles": singles,
         "offered_rate": during.get("offered_pairs", 0) / secs,
+        "idle": tally.median_p90("idle", since, until),
+        "held": tally.median_p90("held", since, until),
         "failed": during.get("failed", 0),
         "rejected": during.get("rejected", 0),
         "released": during.get("released_hold", 0),
@@ -393,6 +433,10 @@ def run_one(count: int, args) -> dict:
     return result
 
 
+def spread_text(pair) -> str:
+    return "-" if pair is None else f"{pair[0]:.1f} / {pair[1]:.1f}"
+
+
 def cpu_text(cpu: dict) -> str:
     return ", ".join(f"{name} {secs:.1f}" for name, secs in cpu.items())
 
@@ -404,6 +448,8 @@ HEADER = [
     "total starts/s",
     "(worker, job) pairs offered/s",
     "CPU ms per start",
+    "member slot: RequestJob to AssignJob s (median / p90)",
+    "member slot: AssignJob to StartCluster s (median / p90)",
     "jobs failed",
     "prepares failed",
     "smallest queue: singles, clusters",
@@ -432,6 +478,8 @@ def rows(results: list[dict]) -> list[list]:
                 f"{r['member_rate'] + r['single_rate']:.1f}",
                 f"{r['offered_rate']:,.0f}",
                 f"{1000 * sum(r['cpu'].values()) / r['window'] / max(starts, 1e-9):.0f}",
+                spread_text(r["idle"]),
+                spread_text(r["held"]),
                 jobs.get("Failed", 0),
                 attempts.get("PrepareFailed", 0),
                 f"{r['low']['singles']}, {r['low']['clusters']}",
