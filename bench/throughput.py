@@ -495,6 +495,15 @@ def rows(results: list[dict]) -> list[list]:
 
 
 def section(command: str, results: list[dict], args) -> str:
+    small = min(results, key=lambda r: r["workers"])
+    large = max(results, key=lambda r: r["workers"])
+
+    def per_start(r: dict, value: float) -> float:
+        return value / max(r["member_rate"] + r["single_rate"], 1e-9)
+
+    pairs_small = per_start(small, small["offered_rate"])
+    pairs_large = per_start(large, large["offered_rate"])
+    cpu_small = per_start(small, 1000 * sum(small["cpu"].values()) / small["window"])
     crashes = sum(len(r["crashes"]) for r in results)
     tracebacks = sum(r["tracebacks"] for r in results)
     abandoned = sum(r["outcomes"]["jobs"].get("Abandoned", 0) for r in results)
@@ -528,38 +537,30 @@ def section(command: str, results: list[dict], args) -> str:
         " the window, read from `/proc` (daphne; the Celery worker, its pool and beat; the"
         " PostgreSQL backends serving the bench database; this process, the fleet and the"
         " feeder). Where the time goes: everything runs on the same 2 cores, shared with other"
-        " work (the load average), and the CPU per start in its column is the whole stack's,"
-        " where 200 member starts a second would need under 10 ms. It grows with the fleet"
-        " because the offers grow with jobs x workers: every new member job is offered to and"
-        " scored by each worker that may take it (a JobOffer entry, a JobScores entry and a"
-        " `job_score` row per pair; the pairs column, about 320 pairs per start at 500 workers"
-        " against 60 at 100). From 100 to 500 workers the CPU per start grew by about 80 µs per"
-        " pair more, and a start without its pairs costs about 13 ms: the target needs both far"
-        " cheaper pairs and a cheaper start. In a PostgreSQL statement log of one run at 500"
-        " workers (every statement, wall times under that load), the largest costs were the"
-        " offer read before each RequestJob answer (5.8 ms a call; 15.5 ms while each offer"
-        " still wrote a `job_score` row per pair: docs/design.md) and the JobScores inserts (6.0"
-        " ms an answer of about a hundred pairs); then the claims and the dispatch pass's reads."
-        " Measured again with pg_stat_statements over a run at 500 workers (each statement's"
-        " planning and execution time, the dispatch passes' waits for their advisory lock"
-        " aside): the offers 31%, the `job_score` inserts with their foreign-key checks 25%, the"
-        " passes' score reads 13%, the single jobs' candidate reads 10%, the claims 10%, the"
-        " passes' reads of the ready clusters 5%; and in `perf` samples of the whole machine"
-        " PostgreSQL's planning was 2% of its CPU (the offers run on cached plans there). In"
-        " py-spy's samples of the daphnes' GIL, validating the workers' JobScores frames came"
-        " first of single items, though at about 1 µs a score (0.1 ms for a frame of a hundred)"
-        " it is a small part of a pair's cost. Before an earlier run's changes, a session's"
-        " acceptances waited behind its offers and requests, and a busy daphne's inbox in the"
-        " channel layer dropped the AssignJobs past its hundredth waiting message"
-        " (docs/design.md, docs/reliability.md): at 500 workers attempts started 18 s after"
-        " their claim at the median, and dozens of prepares per window outlasted the 30 s"
-        " prepare timeout (5.2 member starts a second at 500 workers, 88 prepares failed, in a"
-        " slow hour, reference loop 0.39 s). Since then attempts start 2 to 7 s after their"
-        " claim at the median over several runs at 500 workers, and no prepare there times out;"
-        " the cores stay full at every size, so what limits the starts is what each costs."
-        " The previous table (2026-12-01 13:47 UTC, reference loop 0.17 s) had 53.2 member starts a"
-        " second at 100 workers and 26.8 at 500; this one has the dispatch pass's planner"
-        " shortcut and the offers' probe of docs/design.md, in a faster hour."
+        " work (the load average), and the cores are full at every size; the CPU per start in"
+        " its column is the whole stack's. Two things make it. The offers: every job is offered"
+        " to and scored by each worker that may take it, and with the queue kept full a job"
+        " waits longer than the 10 s within which every worker asks again, so each member job"
+        " is scored by nearly every worker of the clusters' project (the pairs column:"
+        f" {pairs_small:.0f} pairs per start at {small['workers']} workers,"
+        f" {pairs_large:.0f} at {large['workers']}); the section Offer pairs measures what one"
+        " pair costs at least, about 28 µs of CPU. And the start itself: at"
+        f" {small['workers']} workers, {cpu_small:.0f} ms of CPU per start of which the pairs"
+        " are a small part. On saturated cores each start's work waits its turn: the two slot"
+        " columns are where a member's slot spends its time, waiting for the AssignJob of a"
+        " member after its RequestJob, then holding it until every member of its attempt"
+        " accepted and StartCluster came (the job then runs 0.5 to 1.5 s). Where those waits"
+        " are seconds, the slots are idle or held most of the time while the cores are full,"
+        " so the member starts grow with the cores, not with the slots: 200 member starts a"
+        " second at 500 workers would mean about 80,000 pairs a"
+        " second (400 workers may take each member), about 2.2 cores at 28 µs each, on top of"
+        " the starts' own work. This table's runs have, since the previous one (2026-12-01"
+        " 15:23 UTC, reference loop 0.14 s: 67.9 member starts a second at 100 workers, 36.5 at"
+        " 500), job_score keyed by its pair, list parameters as array literals, the garbage"
+        " collector set for long-running processes, the job rows' active_member flag, and"
+        " woken dispatch passes spaced 0.5 s apart (docs/design.md). Earlier history (the"
+        " acceptances that queued behind offers, the AssignJobs a full channel-layer inbox"
+        " dropped) is in docs/design.md and docs/reliability.md."
         f" Target: at least {TARGET_MEMBER_STARTS:.0f} member starts per second sustained with"
         f" {max(r['workers'] for r in results)} workers.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
