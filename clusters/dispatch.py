@@ -401,33 +401,6 @@ def wake_dispatch() -> bool:
     return True
 
 
-# Woken passes start at least PASS_SPACING_SECS apart. With a busy fleet every unanswered
-# RequestJob wakes one, and passes ran back to back, each reading the whole book and the scores
-# of its clusters to seat the few that the seats freed since the last one could take: at 500
-# workers in the throughput benchmark, four or five passes a second, three clusters each, about
-# a seventh of the machine's CPU. Spaced, one pass seats what more freed seats allow for the
-# same reading. A pass woken after a quiet spell starts at once, as does the periodic one.
-PASS_SPACING_SECS = 0.5
-WOKEN_AT_KEY = "gradient:dispatch:woken-at"
-
-
-def pace_woken_pass() -> float:
-    """Called as a woken pass begins: waits until PASS_SPACING_SECS after the last woken pass
-    began (the clock is the machines', so at most that long), and returns how long it waited.
-    Best effort, like the wake-ups: without Redis the pass starts at once."""
-    waited = 0.0
-    try:
-        client = _client()
-        last = client.get(WOKEN_AT_KEY)
-        if last is not None:
-            waited = min(max(float(last) + PASS_SPACING_SECS - time.time(), 0.0), PASS_SPACING_SECS)
-            time.sleep(waited)
-        client.set(WOKEN_AT_KEY, repr(time.time()), ex=60)
-    except Exception:
-        log.warning("could not pace the dispatch pass", exc_info=True)
-    return waited
-
-
 def clear_wake() -> None:
     """Called as a woken pass starts: a wake-up from now on queues another pass."""
     try:

@@ -3,7 +3,7 @@
 from celery import shared_task
 from celery.signals import worker_process_init, worker_ready
 
-from clusters.dispatch import clear_wake, pace_woken_pass, run_pass
+from clusters.dispatch import clear_wake, run_pass
 from clusters.recovery import recover
 from clusters.retention import run_retention
 from gradient import heap
@@ -12,8 +12,6 @@ from gradient import heap
 @shared_task(name="clusters.dispatch", ignore_result=True)
 def dispatch(woken: bool = False) -> dict:
     if woken:
-        # Spaced before the wake-up is cleared: the RequestJobs meanwhile queue no other pass.
-        pace_woken_pass()
         clear_wake()
     result = run_pass(wait=woken)
     return {"claimed": len(result.claimed), "seconds": round(result.seconds, 4)}
