@@ -149,6 +149,8 @@ CHANNEL_LAYERS = {
 }
 
 CELERY_BROKER_URL = REDIS_URL
+# kombu's Redis transport, minus the worker's exit on a lost broker (gradient/broker.py).
+CELERY_BROKER_TRANSPORT = "gradient.broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
