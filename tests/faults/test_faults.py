@@ -228,8 +228,8 @@ def test_the_system_converges_after(stack, services, fault, phase):
     stack.heal()  # whatever an earlier failure left down
     hit = inject(stack, fault, phase, services)
     healed = utcnow()
-    dead = stack.dead()
     took, found = converge(stack, healed)
+    dead = stack.dead()  # after: a process that died while the system converged is named
     result = {"fault": fault, "phase": phase, **{k: v for k, v in hit.items() if k != "at"}}
     if "attempt" in hit:
         result["attempt_outcome"] = attempt_outcome(stack, hit["attempt"])
