@@ -223,7 +223,7 @@ def section(command: str, result: dict, total_us: float, args) -> str:
         f" each offer meets {args.answer} new jobs (half evaluations, half builds, without"
         " paths: the cheapest to score), read by each of"
         f" {result['repeat']} workers from the same mark and answered by each. Not counted:"
-        " the WebSocket frames both ways, the channel layer, vacuuming the deleted rows."
+        " the WebSocket frames both ways, vacuuming the deleted rows."
         " With the queue kept full (the throughput benchmark) a job waits longer than the 10 s"
         " within which every worker asks again, so each queued member is offered to every"
         f" worker that may take it: at 500 workers the {per_start} of the clusters' project."
