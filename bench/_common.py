@@ -78,6 +78,20 @@ def project_tables() -> list[str]:
     return sorted(tables)
 
 
+def cpu_secs(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds of a process and its live descendants (Celery's pool)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{pid}/task").iterdir() if children else ():
+            for child in (task / "children").read_text().split():
+                total += cpu_secs(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return total
+
+
 def process_env(**extra) -> dict:
     """The environment of a daphne or Celery process: the bench database and Redis database
     that setup() chose."""

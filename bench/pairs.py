@@ -45,9 +45,7 @@ def backend_cpu() -> float:
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
-        pid = cursor.fetchone()[0]
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return common.cpu_secs(cursor.fetchone()[0], children=False)
 
 
 class Meter:

@@ -213,20 +213,6 @@ class Feeder:
             connection.close()
 
 
-def cpu_secs(pid: int, children: bool = True) -> float:
-    """User + system CPU seconds of a process and its live descendants (Celery's pool)."""
-    total = 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        for task in Path(f"/proc/{pid}/task").iterdir() if children else ():
-            for child in (task / "children").read_text().split():
-                total += cpu_secs(int(child))
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return total
-
-
 def database_backends() -> list[int]:
     from django.db import connection
 
@@ -250,10 +236,10 @@ class CpuMeter:
             self.pids["daphne" if web else "celery"].append(proc.pid)
 
     def _sample(self, backends) -> dict:
-        out = {name: sum(map(cpu_secs, pids)) for name, pids in self.pids.items()}
+        out = {name: sum(map(common.cpu_secs, pids)) for name, pids in self.pids.items()}
         # This process alone (daphne and Celery are its children), with the feeder thread.
-        out["fleet"] = cpu_secs(os.getpid(), children=False)
-        out["backends"] = {pid: cpu_secs(pid) for pid in backends}
+        out["fleet"] = common.cpu_secs(os.getpid(), children=False)
+        out["backends"] = {pid: common.cpu_secs(pid) for pid in backends}
         return out
 
     def start(self) -> None:

@@ -160,7 +160,7 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_S
         return None  # a member without any seat: no need to read the scores
     groups = pool.groups(cluster.same_zone)
     rows = [scores.row(m.key) for m in members]
-    apart = _apart(cluster, seatable, rows, pool)
+    apart = _apart(cluster, seatable, rows, pool, groups)
     if apart is not None:
         return apart
     # Each member's scored seats, cheapest first; per zone, the solver sees their shortlist.
@@ -206,7 +206,7 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: "_Pool", scores: "_S
     return Placement(cluster.id, zone if cluster.same_zone else None, seats, total)
 
 
-def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_Pool"):
+def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_Pool", groups):
     """The placement of every member on its own cheapest seat, when that is a minimum-cost
     one; else None, and the solver decides.
 
@@ -219,7 +219,6 @@ def _apart(cluster: Cluster, seatable: np.ndarray, rows: list["_Row"], pool: "_P
     unscored cost) and the group cannot be taken here. Most clusters of a large pass are
     placed this way.
     """
-    groups = pool.groups(cluster.same_zone)
     # Per member, the position in its cheapest-first list of its cheapest seat in each group
     # (-1: none among its scores read).
     firsts = [

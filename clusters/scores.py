@@ -167,10 +167,7 @@ class CheapestScores(Mapping):
                     whole = [key for key in keys if key in self._whole_keys]
                     if whole:
                         keys = [key for key in keys if key not in self._whole_keys]
-                        cursor.execute(ALL_SCORES_SQL, {"keys": text_array(whole)})
-                        rows = cursor.fetchall()
-                        lists = _unpack_all([packed for _, packed in rows])
-                        self._arrays.update(zip([job_id for job_id, _ in rows], lists, strict=True))
+                        self._arrays.update(all_scores(whole))
                     rows = []
                     if keys:  # (a chunk may hold pinned members' keys only)
                         cursor.execute(

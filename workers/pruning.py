@@ -6,8 +6,8 @@ deletes the rows of jobs that finished or were deleted, and of keys that name no
 may answer for any key; its answer is stored all the same).
 
 The rows of a job whose status is not final stay: a requeued build or a retried cluster
-member would otherwise be offered to every worker again. Each batch of keys is
-its own statement, so a backlog never holds long locks.
+member would otherwise be offered to every worker again. Each batch of keys is its own
+statement, so a backlog never holds long locks.
 """
 
 from django.db import connection
