@@ -259,6 +259,30 @@ def moved_workers(stack: Stack, hit: dict) -> int:
     return len(moved)
 
 
+# What holds a cluster back, for the failure message: its attempts and its members' jobs.
+UNFINISHED_SQL = """
+SELECT c.id, c.status, c.attempts, c.retry_budget,
+       (SELECT array_agg(a.outcome || '/' || (a.started_at IS NOT NULL) || '/'
+                         || (a.finished_at IS NOT NULL) ORDER BY a.created_at)
+        FROM cluster_attempt a WHERE a.cluster_job_id = c.id),
+       (SELECT array_agg(coalesce(e.status, b.status) ORDER BY m.id)
+        FROM cluster_member m
+        LEFT JOIN evaluation e ON e.id = m.evaluation_id
+        LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+        WHERE m.cluster_job_id = c.id)
+FROM cluster_job c
+WHERE c.status IN ('Queued', 'Running')
+   OR EXISTS (SELECT 1 FROM cluster_attempt a
+              WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+ORDER BY c.id LIMIT 10
+"""
+
+
+def unfinished(stack: Stack) -> list:
+    """(cluster, status, attempts, budget, attempts as outcome/started/finished, member jobs)."""
+    return stack.query(UNFINISHED_SQL)
+
+
 def test_after_the_load_stops_every_cluster_finishes_and_the_history_is_clean(stack):
     stack.heal()
     stack.stop("load")
@@ -269,7 +293,11 @@ def test_after_the_load_stops_every_cluster_finishes_and_the_history_is_clean(st
             " AND NOT EXISTS (SELECT 1 FROM cluster_attempt WHERE finished_at IS NULL)"
         )[0][0]
 
-    wait_until(drained, 120, "every cluster finished")
+    try:
+        wait_until(drained, 120, "every cluster finished")
+    except TimeoutError as e:
+        held = f"{unfinished(stack)} dead={stack.dead()}"
+        raise AssertionError(f"{e}: {held} {logs_hint(stack)}") from e
     found = violations(stack)
     totals = dict(stack.query("SELECT status, count(*) FROM cluster_job GROUP BY status"))
     outcomes = dict(stack.query("SELECT outcome, count(*) FROM cluster_attempt GROUP BY outcome"))
