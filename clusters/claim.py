@@ -335,9 +335,10 @@ def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
     cursor().execute("DELETE FROM cluster_attempt WHERE id = ANY(%s)", [attempt_ids])
     back = [job for job, c in builds.items() if c in cluster_ids and job in moved]
     if back:
+        # Guarded like a transition: only a build this claim moved to Building goes back.
         cursor().execute(
-            "UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[])",
-            [BuildStatus.QUEUED.value, back],
+            "UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[]) AND status = %s",
+            [BuildStatus.QUEUED.value, back, BuildStatus.BUILDING.value],
         )
 
 

@@ -10,11 +10,18 @@ from django.db import transaction
 
 from clusters.models import ClusterJob, ClusterMember
 from gradient.jobs.models import JobKind, Project
-from gradient.jobs.submission import JobSpec, SubmissionError, create_jobs, split_plus
+from gradient.jobs.submission import (
+    JobSpec,
+    SubmissionError,
+    column_range,
+    create_jobs,
+    split_plus,
+)
 from workers.models import Worker
 
 ROLE_LIMIT = ClusterMember._meta.get_field("role").max_length
 VALUED_OPTIONS = ("pin", "arch", "features", "paths")
+_, RETRY_BUDGET_MAX = column_range(ClusterJob, "retry_budget")
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,10 @@ def submit_cluster(
     check_members(members)
     if retry_budget < 0:
         raise SubmissionError(f"retry budget must not be negative, not {retry_budget}")
+    if retry_budget > RETRY_BUDGET_MAX:
+        raise SubmissionError(
+            f"retry budget must be at most {RETRY_BUDGET_MAX}, not {retry_budget}"
+        )
     with transaction.atomic(durable=True):
         found = Project.objects.filter(name=project).first()
         if found is None:

@@ -59,6 +59,23 @@ def test_an_anonymous_user_is_sent_to_the_login_page(client):
     assert response.url.startswith(reverse("admin:login"))
 
 
+def test_a_logged_in_user_who_is_not_staff_is_sent_to_the_login_page(client, django_user_model):
+    cluster = ClusterFactory()
+    user = django_user_model.objects.create_user("someone", password="not-staff-1234")
+    client.force_login(user)
+
+    for url in (
+        reverse("admin:index"),
+        CLUSTERS,
+        reverse("admin:clusters_clusterjob_change", args=[cluster.pk]),
+        reverse("admin:workers_worker_changelist"),
+    ):
+        response = client.get(url)
+        assert response.status_code == 302, url
+        assert response.url.startswith(reverse("admin:login")), url
+    assert client.get(CLUSTERS, follow=True).context["user"] == user  # still logged in
+
+
 def test_the_cluster_list_filters_by_status(admin_client):
     queued = ClusterFactory(status=ClusterStatus.QUEUED)
     ClusterFactory(status=ClusterStatus.RUNNING)

@@ -6,7 +6,7 @@ Each violating row is written with raw SQL, so nothing in Python can be what ref
 import uuid
 
 import pytest
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from clusters.models import ClusterAttempt, ClusterJob, ClusterMember
@@ -22,9 +22,19 @@ from tests.factories import (
 pytestmark = pytest.mark.django_db
 
 
-def refused(raw_sql, sql, params):
-    with pytest.raises(IntegrityError), transaction.atomic():
+# The spec's names (its CHECK is unnamed there; ours is cluster_member-one-job).
+ONE_JOB = "cluster_member-one-job"
+ONE_CLUSTER_PER_EVALUATION = "idx-cluster_member-evaluation"
+ONE_CLUSTER_PER_BUILD = "idx-cluster_member-derivation_build"
+ONE_OPEN_ATTEMPT = "idx-cluster_attempt-open"
+ONE_OPEN_ASSIGNMENT = "idx-dispatched_job-open-job"
+
+
+def refused(raw_sql, sql, params, constraint):
+    """The statement fails on PostgreSQL's constraint of that name, not on any other."""
+    with pytest.raises(IntegrityError) as failed, transaction.atomic():
         raw_sql(sql, params)
+    assert failed.value.__cause__.diag.constraint_name == constraint
 
 
 MEMBER_SQL = (
@@ -35,32 +45,42 @@ MEMBER_SQL = (
 
 def test_a_member_naming_no_job_is_refused(raw_sql):
     cluster = ClusterFactory()
-    refused(raw_sql, MEMBER_SQL, [cluster.pk, None, None, "server"])
+    refused(raw_sql, MEMBER_SQL, [cluster.pk, None, None, "server"], ONE_JOB)
     assert not ClusterMember.objects.exists()
 
 
 def test_a_member_naming_both_jobs_is_refused(raw_sql):
     cluster = ClusterFactory()
     evaluation, build = EvaluationFactory(), BuildFactory()
-    refused(raw_sql, MEMBER_SQL, [cluster.pk, evaluation.pk, build.pk, "server"])
+    refused(raw_sql, MEMBER_SQL, [cluster.pk, evaluation.pk, build.pk, "server"], ONE_JOB)
     raw_sql(MEMBER_SQL, [cluster.pk, evaluation.pk, None, "server"])
     raw_sql(MEMBER_SQL, [cluster.pk, None, build.pk, "client"])
     assert ClusterMember.objects.count() == 2
+
+
+def test_the_one_job_check_is_the_specs_expression(raw_sql):
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = %s", [ONE_JOB]
+        )
+        (definition,) = cursor.fetchone()
+    assert definition == "CHECK ((num_nonnulls(evaluation_id, derivation_build_id) = 1))"
 
 
 def test_an_evaluation_joins_at_most_one_cluster(raw_sql):
     evaluation = EvaluationFactory()
     first, second = ClusterFactory(), ClusterFactory()
     raw_sql(MEMBER_SQL, [first.pk, evaluation.pk, None, "server"])
-    refused(raw_sql, MEMBER_SQL, [second.pk, evaluation.pk, None, "server"])
-    refused(raw_sql, MEMBER_SQL, [first.pk, evaluation.pk, None, "client"])
+    for cluster, role in ((second, "server"), (first, "client")):
+        params = [cluster.pk, evaluation.pk, None, role]
+        refused(raw_sql, MEMBER_SQL, params, ONE_CLUSTER_PER_EVALUATION)
 
 
 def test_a_shared_build_joins_at_most_one_cluster(raw_sql):
     build = BuildFactory()
     first, second = ClusterFactory(), ClusterFactory()
     raw_sql(MEMBER_SQL, [first.pk, None, build.pk, "server"])
-    refused(raw_sql, MEMBER_SQL, [second.pk, None, build.pk, "server"])
+    refused(raw_sql, MEMBER_SQL, [second.pk, None, build.pk, "server"], ONE_CLUSTER_PER_BUILD)
 
 
 ATTEMPT_SQL = (
@@ -73,7 +93,7 @@ def test_a_cluster_has_at_most_one_open_attempt(raw_sql):
     cluster = ClusterFactory()
     raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, timezone.now()])
     raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, None])
-    refused(raw_sql, ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, None])
+    refused(raw_sql, ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, None], ONE_OPEN_ATTEMPT)
     # Another cluster's open attempt is independent.
     raw_sql(ATTEMPT_SQL, [uuid.uuid4(), ClusterFactory().pk, None])
     assert ClusterAttempt.objects.filter(finished_at__isnull=True).count() == 2
@@ -102,7 +122,8 @@ def test_a_job_key_has_at_most_one_open_assignment(raw_sql):
     evaluation, worker = EvaluationFactory(), WorkerFactory()
     raw_sql(DISPATCH_SQL, dispatch_params(evaluation, worker, finished_at=timezone.now()))
     raw_sql(DISPATCH_SQL, dispatch_params(evaluation, worker))
-    refused(raw_sql, DISPATCH_SQL, dispatch_params(evaluation, WorkerFactory()))
+    params = dispatch_params(evaluation, WorkerFactory())
+    refused(raw_sql, DISPATCH_SQL, params, ONE_OPEN_ASSIGNMENT)
     assert DispatchedJob.objects.filter(finished_at__isnull=True).count() == 1
 
 
@@ -121,15 +142,32 @@ def test_deleting_an_attempt_keeps_its_member_rows_as_telemetry(raw_sql):
     assert row.job_id == f"eval:{member.evaluation_id}"
 
 
-def test_deleting_a_cluster_job_cascades_to_members_and_attempts(raw_sql):
+def test_deleting_a_cluster_job_removes_members_and_attempts_and_keeps_their_rows(raw_sql):
     member = EvalMemberFactory()
     cluster = member.cluster_job
-    raw_sql(ATTEMPT_SQL, [uuid.uuid4(), cluster.pk, timezone.now()])
+    attempts = [uuid.uuid4(), uuid.uuid4()]
+    for attempt in attempts:
+        raw_sql(ATTEMPT_SQL, [attempt, cluster.pk, timezone.now()])
+        raw_sql(
+            DISPATCH_SQL,
+            dispatch_params(
+                member.evaluation, WorkerFactory(), finished_at=timezone.now(), attempt=attempt
+            ),
+        )
     other = EvalMemberFactory()
+    other_attempt = uuid.uuid4()
+    raw_sql(ATTEMPT_SQL, [other_attempt, other.cluster_job_id, None])
+    raw_sql(DISPATCH_SQL, dispatch_params(other.evaluation, WorkerFactory(), attempt=other_attempt))
+
     raw_sql("DELETE FROM cluster_job WHERE id = %s", [cluster.pk])
+
     assert not ClusterJob.objects.filter(pk=cluster.pk).exists()
     assert list(ClusterMember.objects.all()) == [other]
-    assert not ClusterAttempt.objects.exists()
+    assert list(ClusterAttempt.objects.values_list("pk", flat=True)) == [other_attempt]
+    rows = DispatchedJob.objects.values_list("job_id", "cluster_attempt_id")
+    assert sorted(rows, key=str) == sorted(
+        [(member.job_key, None), (member.job_key, None), (other.job_key, other_attempt)], key=str
+    )
 
 
 def test_garbage_collecting_a_member_job_removes_the_member(raw_sql):

@@ -591,6 +591,10 @@ async def test_fleet_run_ends_when_every_worker_stopped_for_good():
         ["--count", "2", "--url", "ws://127.0.0.1:8000/proto,http://127.0.0.1:8001/proto"],
         ["--count", "2", "--duration", "0"],
         ["--count", "2", "--max-builds", "-1"],
+        ["--count", "100001"],
+        ["--count", "2", "--max-builds", str(2**31)],
+        ["--count", "2", "--max-evals", str(2**31)],
+        ["--count", "2", "--prefix", "sim\x00"],
     ],
 )
 def test_bad_arguments_are_refused(args):

@@ -171,6 +171,19 @@ def test_a_negative_retry_budget_is_refused():
 
 
 @pytest.mark.django_db
+def test_a_retry_budget_beyond_the_integer_column_is_refused_not_stored_wrapped():
+    ProjectFactory(name="p")
+    with pytest.raises(SubmissionError, match="retry budget must be at most 2147483647"):
+        submit_cluster("p", [parse_member("a:eval")], retry_budget=2**31)
+    assert not ClusterJob.objects.exists()
+
+    cluster, _ = submit_cluster("p", [parse_member("a:eval")], retry_budget=2**31 - 1)
+
+    cluster.refresh_from_db()
+    assert cluster.retry_budget == 2**31 - 1
+
+
+@pytest.mark.django_db
 def test_members_of_one_role_are_indexed_from_zero_in_creation_order():
     ProjectFactory(name="p")
     specs = ["node:eval", "lead:build", "node:build", "node:eval"]

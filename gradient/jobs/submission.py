@@ -3,6 +3,8 @@ submit_cluster (clusters.submission)."""
 
 from dataclasses import dataclass
 
+from django.db import connection
+
 from gradient.jobs.models import (
     BuildStatus,
     DerivationBuild,
@@ -14,6 +16,12 @@ from gradient.jobs.models import (
 
 ARCH_LIMIT = Evaluation._meta.get_field("architecture").max_length
 FEATURE_LIMIT = Evaluation._meta.get_field("required_features").base_field.max_length
+
+
+def column_range(model, field: str) -> tuple[int, int]:
+    """The values an integer column holds. Django binds an IntegerField's value as a binary
+    int4 (server-side binding), so PostgreSQL would store a larger one wrapped, not refuse it."""
+    return connection.ops.integer_field_range(model._meta.get_field(field).get_internal_type())
 
 
 class SubmissionError(ValueError):

@@ -14,6 +14,7 @@ from django.db import connection, transaction
 from gradient import heap
 from gradient.jobs.management.json_command import JsonCommand, Once, checked_name
 from gradient.jobs.models import Project
+from gradient.jobs.submission import column_range
 from workers.models import Worker, hash_token
 from workers.simulator import DEFAULT_URL, Fleet, WorkerConfig
 
@@ -23,6 +24,9 @@ SIM_ENDPOINT = "sim://{name}"
 TTY_REFRESH_SECS = 0.5
 LOG_REFRESH_SECS = 5.0
 EVENTS_KEPT = 100  # per worker in memory; --log keeps them all
+MAX_WORKERS = 100_000  # a socket each, in one process
+# What the server stores as a worker's slots (and the protocol's SlotCount allows).
+_, MAX_SLOTS = column_range(Worker, "max_concurrent_builds")
 
 
 class Command(JsonCommand):
@@ -114,8 +118,8 @@ class Command(JsonCommand):
 
 
 def worker_names(prefix: str, count: int) -> list[str]:
-    if count < 1:
-        raise CommandError(f"--count must be at least 1, not {count}")
+    if not 1 <= count <= MAX_WORKERS:
+        raise CommandError(f"--count must be 1 to {MAX_WORKERS}, not {count}")
     if not prefix.strip():
         raise CommandError("--prefix must not be empty")
     checked_name(Worker, f"{prefix}-{count - 1}", "worker")
@@ -127,8 +131,8 @@ def worker_configs(names: list[str], o: dict) -> dict[str, WorkerConfig]:
     base = dict(
         architectures=tuple(split_list(o["arch"], ",", "--arch")),
         system_features=tuple(split_list(o["features"], "+", "--features")),
-        max_builds=non_negative(o["max_builds"], "--max-builds"),
-        max_evals=non_negative(o["max_evals"], "--max-evals"),
+        max_builds=slot_count(o["max_builds"], "--max-builds"),
+        max_evals=slot_count(o["max_evals"], "--max-evals"),
         eval=not o["no_eval"],
         build=not o["no_build"],
         fetch=o["fetch"],
@@ -173,9 +177,11 @@ def split_list(value: str | None, sep: str, option: str) -> list[str]:
     return items
 
 
-def non_negative(value: int, option: str) -> int:
+def slot_count(value: int, option: str) -> int:
     if value < 0:
         raise CommandError(f"{option} must not be negative, not {value}")
+    if value > MAX_SLOTS:
+        raise CommandError(f"{option} must be at most {MAX_SLOTS}, not {value}")
     return value
 
 

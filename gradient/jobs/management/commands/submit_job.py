@@ -5,6 +5,9 @@ from gradient.jobs.management.json_command import JsonCommand, Once
 from gradient.jobs.models import JobKind, Project
 from gradient.jobs.submission import JobSpec, SubmissionError, create_jobs, split_plus
 
+# One transaction holds every job of a submission; a larger batch is a script's loop.
+MAX_COUNT = 10_000
+
 
 class Command(JsonCommand):
     help = 'Queue N single jobs in one transaction. Prints {"job_ids": [...]}.'
@@ -16,11 +19,13 @@ class Command(JsonCommand):
         parser.add_argument("--features", action=Once, default="", metavar="F1+F2")
         parser.add_argument("--paths", action=Once, default="", metavar="P1+P2")
         parser.add_argument("--prioritized", action=Once, nargs=0, const=True, default=False)
-        parser.add_argument("--count", action=Once, type=int, default=1, metavar="N")
+        parser.add_argument(
+            "--count", action=Once, type=int, default=1, metavar="N", help=f"1 to {MAX_COUNT}"
+        )
 
     def run(self, *, project, kind, arch, features, paths, prioritized, count, **options):
-        if count < 1:
-            raise CommandError(f"--count must be at least 1, not {count}")
+        if not 1 <= count <= MAX_COUNT:
+            raise CommandError(f"--count must be 1 to {MAX_COUNT}, not {count}")
         try:
             spec = JobSpec(
                 kind=kind,
