@@ -12,6 +12,7 @@ from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
 from clusters.recovery import abort_attempt, member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from gradient.jobs.transitions import advance_evaluation
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
 from tests.factories import (
@@ -31,15 +32,25 @@ def started_cluster(retry_budget=0, primary=None):
     cluster = ClusterFactory(retry_budget=retry_budget)
     EvalMemberFactory(cluster_job=cluster, role="server", primary=primary == "server")
     BuildMemberFactory(cluster_job=cluster, role="client", primary=primary == "client")
+    return (cluster, *start_attempt(cluster))
+
+
+def start_attempt(cluster):
+    """Two new idle workers; the dispatch pass claims the cluster on them, and both accept."""
     workers = idle_workers(2)
     inbox = Inbox(workers)
     assert run_pass().claimed == [cluster.pk]
-    rows = {r.kind: r for r in DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster)}
+    rows = {
+        r.kind: r
+        for r in DispatchedJob.objects.filter(
+            cluster_attempt__cluster_job=cluster, cluster_attempt__finished_at__isnull=True
+        )
+    }
     for row in rows.values():
         coordinator.member_accepted(row.worker_id, row.job_id)
     for w in workers:
         inbox.frames(w)
-    return cluster, rows, inbox, workers
+    return rows, inbox, workers
 
 
 def report(row, outcome, kind=None):
@@ -130,6 +141,38 @@ def test_an_abort_decides_the_attempt_and_tells_every_survivor():
     )
     client = next(w for w in workers if w.pk == rows["build"].worker_id)
     assert [f["type"] for f in inbox.frames(client)] == ["AbortCluster"]
+
+
+@pytest.mark.django_db
+def test_an_abort_the_server_did_not_order_is_a_failure_retried_within_the_budget():
+    cluster, rows, _, _ = started_cluster(retry_budget=1)
+    assert report(rows["build"], "Failed", "aborted") == "Retry"
+    assert statuses(cluster) == (ClusterStatus.QUEUED, EvaluationStatus.QUEUED, BuildStatus.QUEUED)
+    rows, _, _ = start_attempt(cluster)
+    assert report(rows["build"], "Failed", "aborted") == "Fail"
+    # Its own outcome, an abort; the survivor ends Aborted too.
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.ABORTED,
+        BuildStatus.ABORTED,
+    )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("outcome", ["Completed", "Failed"])
+def test_an_evaluation_abort_that_reached_a_member_decides_abort(outcome):
+    cluster, rows, inbox, workers = started_cluster(retry_budget=3)
+    evaluation = cluster.members.get(role="server").evaluation
+    assert advance_evaluation(evaluation.pk, EvaluationStatus.ABORTED)
+    # Whichever report comes next (the aborted member's own, or its sibling's) decides Abort.
+    row = rows["eval"] if outcome == "Failed" else rows["build"]
+    assert report(row, outcome, "aborted" if outcome == "Failed" else None) == "Abort"
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.ABORTED
+    assert ClusterAttempt.objects.get().outcome == AttemptOutcome.ABORTED
+    survivor = rows["build"] if outcome == "Failed" else rows["eval"]
+    told = next(w for w in workers if w.pk == survivor.worker_id)
+    assert [f["type"] for f in inbox.frames(told)] == ["AbortCluster"]
 
 
 @pytest.mark.django_db(transaction=True)
