@@ -1,15 +1,18 @@
 """Member reports into the verdict, settled in one transaction, on the real database."""
 
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
 from django.db import OperationalError, connection
+from django.utils import timezone
 
 from clusters import coordinator
 from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
-from clusters.recovery import abort_attempt, member_report
+from clusters.recovery import abort_attempt, member_report, recover
+from clusters.verdict import LOST
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.jobs.transitions import advance_evaluation
@@ -21,6 +24,9 @@ from tests.factories import (
     EvalMemberFactory,
     WorkerFactory,
 )
+from workers.connection import detach
+from workers.liveness import disconnect_silent_workers
+from workers.models import Worker
 
 
 @pytest.fixture(autouse=True)
@@ -173,6 +179,60 @@ def test_an_evaluation_abort_that_reached_a_member_decides_abort(outcome):
     survivor = rows["build"] if outcome == "Failed" else rows["eval"]
     told = next(w for w in workers if w.pk == survivor.worker_id)
     assert [f["type"] for f in inbox.frames(told)] == ["AbortCluster"]
+
+
+@pytest.mark.django_db
+def test_retry_budget_bounds_retries_not_the_per_evaluation_assignment_budget(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "MAX_JOB_ATTEMPTS": 2}
+    cluster, rows, _, _ = started_cluster(retry_budget=3)
+    verdicts = [report(rows["eval"], "Failed", "transient")]
+    for _ in range(3):
+        rows, _, _ = start_attempt(cluster)
+        verdicts.append(report(rows["eval"], "Failed", "transient"))
+    # Four failed assignments of one evaluation, twice what a single job would get.
+    assert verdicts == ["Retry", "Retry", "Retry", "Fail"]
+    assert DispatchedJob.objects.filter(job_id=rows["eval"].job_id, outcome="Failed").count() == 4
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.FAILED,
+        BuildStatus.ABORTED,
+    )
+
+
+@pytest.mark.django_db
+def test_a_disconnect_reports_a_member_lost_into_the_verdict_never_as_a_single_job():
+    """Members count as tracked while their attempt is open: the abandoned-dispatch sweep
+    (workers.connection.abandon_single_assignments, on a disconnect) leaves them alone."""
+    cluster, rows, _, _ = started_cluster(retry_budget=0)
+    gone = rows["build"]
+    Worker.objects.filter(pk=gone.worker_id).update(channel_name="socket")
+    assert detach(gone.worker_id, "socket")
+    assert DispatchedJob.objects.get(pk=gone.pk).failure_kind == LOST
+    # Budget spent: a Fail; the lost build's requeueing outcome made permanent.
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.ABORTED,
+        BuildStatus.FAILED_PERMANENT,
+    )
+
+
+@pytest.mark.django_db
+def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
+    """The verdict abandons every open row as it decides: a companion told AbortCluster whose
+    worker never answers leaves nothing to reap when the worker is declared gone."""
+    settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 120}
+    cluster, rows, _, _ = started_cluster(primary="server")
+    assert report(rows["eval"], "Completed") == "Complete"
+    assert not DispatchedJob.objects.filter(finished_at__isnull=True).exists()
+    mute = rows["build"].worker_id
+    Worker.objects.filter(pk=mute).update(last_seen_at=timezone.now() - timedelta(seconds=600))
+    assert disconnect_silent_workers() == [mute]
+    assert recover() == {"expired": [], "resolved": [], "settled": []}
+    assert statuses(cluster) == (
+        ClusterStatus.COMPLETED,
+        EvaluationStatus.COMPLETED,
+        BuildStatus.ABORTED,
+    )
 
 
 @pytest.mark.django_db(transaction=True)
