@@ -11,7 +11,12 @@ from django.utils import timezone
 from clusters import coordinator
 from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
-from clusters.recovery import abort_attempt, member_report, recover
+from clusters.recovery import (
+    abort_attempt,
+    member_report,
+    recover,
+    resolve_orphaned_attempts,
+)
 from clusters.verdict import LOST
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
@@ -233,6 +238,26 @@ def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
         EvaluationStatus.COMPLETED,
         BuildStatus.ABORTED,
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_once():
+    for _ in range(100):
+        cluster, rows, _, _ = started_cluster(retry_budget=1)
+        attempt = rows["eval"].cluster_attempt_id
+        evaluation = cluster.members.get(role="server").evaluation_id
+        assert advance_evaluation(evaluation, EvaluationStatus.ABORTED)
+        swept, reported = race(
+            resolve_orphaned_attempts, lambda r=rows: report(r["build"], "Completed")
+        )
+        # Whichever came first decided Abort; the other found it decided.
+        assert (swept == [attempt]) != (reported == "Abort"), (swept, reported)
+        cluster_status, _, build = statuses(cluster)
+        assert cluster_status == ClusterStatus.ABORTED
+        assert ClusterAttempt.objects.get(pk=attempt).outcome == AttemptOutcome.ABORTED
+        # A completion that came first settles Completed; else the survivor ends Aborted.
+        assert build == (BuildStatus.COMPLETED if reported else BuildStatus.ABORTED)
+        assert not DispatchedJob.objects.filter(finished_at__isnull=True).exists()
 
 
 @pytest.mark.django_db(transaction=True)
