@@ -123,7 +123,7 @@ def _report_silent_members(attempt_id, silent) -> bool:
 STRANDED_MEMBERS_SQL = """
 WITH c AS (
     SELECT id, attempts, retry_budget FROM cluster_job
-    WHERE id = %(cluster)s AND status = 'Running'
+    WHERE id = %(cluster)s AND status = %(running)s
       AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
                       WHERE a.cluster_job_id = %(cluster)s AND a.finished_at IS NULL)
     FOR UPDATE
@@ -157,7 +157,8 @@ def settle_running_without_attempt() -> list:
         with transaction.atomic(durable=True):
             bound_lock_waits()
             with connection.cursor() as cursor:
-                cursor.execute(STRANDED_MEMBERS_SQL, _statuses(cluster=cluster_id))
+                params = _statuses(cluster=cluster_id, running=ClusterStatus.RUNNING.value)
+                cursor.execute(STRANDED_MEMBERS_SQL, params)
                 rows = cursor.fetchall()
             if not rows:
                 continue  # claimed or settled meanwhile
@@ -233,7 +234,7 @@ REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
 BOUND_LOCK_WAITS_SQL = f"""
 SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
 """
-# Reports of one attempt queue on its row (settling and abort_attempt lock it first too).
+# Reports of one attempt queue on its row (resolve_attempt locks it first too).
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
 # The row finishes with the report if it is open, and a Completed only once the attempt has
 # started; the row comes back when it did.
