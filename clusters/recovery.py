@@ -23,13 +23,18 @@ from clusters.claim import (
     RELEASED_FROM,
     SET_CLUSTER_SQL,
     bound_lock_waits,
-    can_retry,
-    dead_member_count,
-    set_cluster_status,
 )
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
-from clusters.verdict import ABORTING_FAILURES, MemberState, Verdict, decide
+from clusters.verdict import (
+    LOST,
+    MemberState,
+    Settlement,
+    Verdict,
+    budget_left,
+    decide,
+    member_moves,
+)
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BUILD_TERMINAL,
@@ -73,11 +78,10 @@ GROUP BY a.id
 
 
 def resolve_orphaned_attempts(now=None) -> list:
-    """Started attempts whose members are gone resolve: a member job aborted or finished
-    outside the attempt aborts it; a member whose worker went silent fails it, with a retry
-    when the budget allows."""
-    from gradient.jobs.models import BUILD_TERMINAL, EVALUATION_TERMINAL
-
+    """Started attempts whose members are gone resolve through the verdict: a member job
+    that reached a final state outside the attempt decides it (Abort for an aborted job,
+    else Fail), even when its worker never confirms; a member whose worker went silent
+    reports as lost."""
     now = now or timezone.now()
     silent = now - timedelta(seconds=settings.GRADIENT["WORKER_TIMEOUT_SECS"])
     with connection.cursor() as cursor:
@@ -92,10 +96,9 @@ def resolve_orphaned_attempts(now=None) -> list:
         rows = cursor.fetchall()
     resolved = []
     for attempt_id, dead, lost in rows:
-        if dead:
-            decided = abort_attempt(attempt_id, "a member's job was aborted")
-        else:
-            decided = lost and _report_silent_members(attempt_id, silent)
+        decided = dead and resolve_attempt(attempt_id, "a member's job ended outside the attempt")
+        if not decided and lost:
+            decided = _report_silent_members(attempt_id, silent)
         if decided:
             resolved.append(attempt_id)
     return resolved
@@ -111,14 +114,38 @@ def _report_silent_members(attempt_id, silent) -> bool:
     decided = False
     for pk, worker_id, job_id in lost:
         with contextlib.suppress(NotAllowed):
-            decided = member_report(worker_id, job_id, pk, "Failed", "lost") is not None or decided
+            decided = member_report(worker_id, job_id, pk, "Failed", LOST) is not None or decided
     return decided
 
 
+# A cluster's members as the verdict reads a lost one, the cluster locked; no rows once it
+# has an open attempt or is no longer Running.
+STRANDED_MEMBERS_SQL = """
+WITH c AS (
+    SELECT id, attempts, retry_budget FROM cluster_job
+    WHERE id = %(cluster)s AND status = %(running)s
+      AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                      WHERE a.cluster_job_id = %(cluster)s AND a.finished_at IS NULL)
+    FOR UPDATE
+)
+SELECT c.attempts, c.retry_budget,
+       CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
+            ELSE 'build:' || m.derivation_build_id::text END,
+       m.evaluation_id, m.derivation_build_id, m."primary",
+       coalesce(e.status, b.status) = ANY(%(dead)s),
+       coalesce(e.status, b.status) = ANY(%(aborted)s)
+FROM c
+LEFT JOIN cluster_member m ON m.cluster_job_id = c.id
+LEFT JOIN evaluation e ON e.id = m.evaluation_id
+LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+ORDER BY 3
+"""
+
+
 def settle_running_without_attempt() -> list:
-    """A Running cluster always has a started, open attempt; one without it (a crash between
-    processes' steps) ends Aborted with a dead member, Failed with a spent budget, else
-    goes back to Queued."""
+    """A Running cluster always has a started, open attempt. One without it (a crash between
+    processes' steps) lost every member without a verdict: each reports as lost, and the
+    verdict settles the cluster and its member jobs as it would an attempt's."""
     open_attempt = ClusterAttempt.objects.filter(
         cluster_job=OuterRef("pk"), finished_at__isnull=True
     )
@@ -129,18 +156,19 @@ def settle_running_without_attempt() -> list:
     for cluster_id in stranded:
         with transaction.atomic(durable=True):
             bound_lock_waits()
-            if ClusterAttempt.objects.filter(
-                cluster_job_id=cluster_id, finished_at__isnull=True
-            ).exists():
-                continue
-            if dead_member_count(cluster_id):
-                status = ClusterStatus.ABORTED
-            elif can_retry(cluster_id):
-                status = ClusterStatus.QUEUED
-            else:
-                status = ClusterStatus.FAILED
-            if set_cluster_status(cluster_id, status, timezone.now(), only_from={"Running"}):
-                settled.append(cluster_id)
+            with connection.cursor() as cursor:
+                params = _statuses(cluster=cluster_id, running=ClusterStatus.RUNNING.value)
+                cursor.execute(STRANDED_MEMBERS_SQL, params)
+                rows = cursor.fetchall()
+            if not rows:
+                continue  # claimed or settled meanwhile
+            attempts, budget = rows[0][:2]
+            members = [Member.lost(*row[2:]) for row in rows if row[2] is not None]
+            states = [m.state for m in members]
+            # Without members (deleted with their jobs) nothing can start again.
+            verdict = decide(states, budget_left=budget_left(attempts, budget)) or Verdict.FAIL
+            settle(None, cluster_id, verdict, members)
+            settled.append(cluster_id)
     return settled
 
 
@@ -171,8 +199,9 @@ CLUSTER_STATUS = {
     Verdict.ABORT: ClusterStatus.ABORTED,
 }
 # Every member row of an attempt with what the verdict reads (its state: key, primary,
-# outcome, failure kind, and dead: its job final or gone) and the attempt and cluster it
-# belongs to, in job-key order. {attempt} is the attempt's id, or REPORTED_ATTEMPT.
+# outcome, failure kind, dead: its job final or gone, aborted: its job Aborted) and the
+# attempt and cluster it belongs to, in job-key order. {attempt} is the attempt's id, or
+# REPORTED_ATTEMPT.
 MEMBERS_SQL = """
 SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NULL,
        c.attempts, c.retry_budget,
@@ -182,7 +211,8 @@ SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NU
                WHERE m.cluster_job_id = a.cluster_job_id AND m."primary"
                  AND (m.evaluation_id = d.evaluation_id
                       OR m.derivation_build_id = d.derivation_build_id)),
-       coalesce(coalesce(e.status, b.status) = ANY(%(dead)s), true)
+       coalesce(coalesce(e.status, b.status) = ANY(%(dead)s), true),
+       coalesce(coalesce(e.status, b.status) = ANY(%(aborted)s), false)
 FROM cluster_attempt a
 JOIN cluster_job c ON c.id = a.cluster_job_id
 JOIN dispatched_job d ON d.cluster_attempt_id = a.id
@@ -204,7 +234,7 @@ REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
 BOUND_LOCK_WAITS_SQL = f"""
 SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
 """
-# Reports of one attempt queue on its row (settling and abort_attempt lock it first too).
+# Reports of one attempt queue on its row (resolve_attempt locks it first too).
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
 # The row finishes with the report if it is open, and a Completed only once the attempt has
 # started; the row comes back when it did.
@@ -248,11 +278,31 @@ class Member:
     failure_kind: str | None
     primary: bool
     dead: bool
+    aborted: bool
+
+    @classmethod
+    def lost(cls, job_id, evaluation_id, build_id, primary, dead, aborted) -> "Member":
+        """A member whose row closed without a verdict: it counts as lost with its worker."""
+        return cls(
+            None,
+            job_id,
+            None,
+            evaluation_id,
+            build_id,
+            timezone.now(),
+            "Failed",
+            LOST,
+            primary,
+            dead,
+            aborted,
+        )
 
     @property
     def state(self) -> MemberState:
         outcome = self.outcome if self.outcome in ("Completed", "Failed") else None
-        return MemberState(self.job_id, self.primary, outcome, self.failure_kind, self.dead)
+        return MemberState(
+            self.job_id, self.primary, outcome, self.failure_kind, self.dead, self.aborted
+        )
 
 
 @dataclass(frozen=True)
@@ -270,7 +320,7 @@ class Attempt:
     def from_rows(cls, rows) -> "Attempt":
         attempt_id, cluster_id, started, closed, attempts, budget = rows[0][:6]
         members = [Member(*row[6:]) for row in rows]
-        return cls(attempt_id, cluster_id, started, closed, attempts - 1 < budget, members)
+        return cls(attempt_id, cluster_id, started, closed, budget_left(attempts, budget), members)
 
 
 def _send(sql: str, params):
@@ -280,37 +330,39 @@ def _send(sql: str, params):
     return cursor
 
 
-def _dead_statuses() -> list[str]:
-    return sorted(EVALUATION_TERMINAL | BUILD_TERMINAL)
+def _statuses(**params) -> dict:
+    """The job statuses the members' SQL reads as dead and as aborted, with `params`."""
+    dead = EVALUATION_TERMINAL | BUILD_TERMINAL
+    aborted = {EvaluationStatus.ABORTED, BuildStatus.ABORTED}
+    return {"dead": sorted(dead), "aborted": sorted(aborted), **params}
 
 
-def attempt_members(attempt_id) -> list[Member]:
-    with connection.cursor() as cursor:
-        cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, "dead": _dead_statuses()})
-        rows = cursor.fetchall()
-    return Attempt.from_rows(rows).members if rows else []
+# Where a settlement sends a member's job: (build status, evaluation status).
+SETTLED_STATUS = {
+    Settlement.COMPLETED: (BuildStatus.COMPLETED, EvaluationStatus.COMPLETED),
+    Settlement.REQUEUED: (BuildStatus.QUEUED, EvaluationStatus.QUEUED),
+    Settlement.FAILED: (BuildStatus.FAILED_PERMANENT, EvaluationStatus.FAILED),
+    Settlement.ABORTED: (BuildStatus.ABORTED, EvaluationStatus.ABORTED),
+}
 
 
 def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]]:
-    """(job, target, its sources) per member job, by kind."""
+    """(job, target, its sources) per member job, by kind, as verdict.member_moves says."""
+    settlements = member_moves(verdict, [m.state for m in members])
     moves: dict[str, list[tuple]] = {"build": [], "eval": []}
     for m in members:
-        if verdict == Verdict.RETRY:
-            to_build, to_eval = BuildStatus.QUEUED, EvaluationStatus.QUEUED
-        elif m.outcome == "Completed":
-            to_build, to_eval = BuildStatus.COMPLETED, EvaluationStatus.COMPLETED
-        elif m.outcome == "Failed" and m.failure_kind not in ABORTING_FAILURES:
-            # Settled for good: a requeueing kind becomes permanent.
-            to_build, to_eval = BuildStatus.FAILED_PERMANENT, EvaluationStatus.FAILED
-        else:  # a survivor, still running when the attempt was decided
-            to_build, to_eval = BuildStatus.ABORTED, EvaluationStatus.ABORTED
+        settlement = settlements[m.job_id]
+        to_build, to_eval = SETTLED_STATUS[settlement]
         if m.derivation_build_id:
             kind, job, to, sources = "build", m.derivation_build_id, to_build, BUILD_SOURCES
         elif m.evaluation_id:
             kind, job, to, sources = "eval", m.evaluation_id, to_eval, EVALUATION_SOURCES
         else:
             continue  # its job is gone
-        allowed = sources[to] & RELEASED_FROM[kind] if verdict == Verdict.RETRY else sources[to]
+        # Requeued: only from where the attempt held it (never a job that ended meanwhile).
+        allowed = (
+            sources[to] & RELEASED_FROM[kind] if settlement == Settlement.REQUEUED else sources[to]
+        )
         moves[kind].append((job, to, ",".join(sorted(allowed))))
     return moves
 
@@ -318,20 +370,23 @@ def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]
 def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int]:
     """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
     attempt (abandoning open member rows), set the cluster, settle every member's job. Returns
-    the workers of the survivors, to be told AbortCluster after commit."""
+    the workers of the survivors, to be told AbortCluster after commit. Without an attempt
+    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs."""
     survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
     with connection.wrap_database_errors, connection.connection.pipeline():
-        _send(CLOSE_ATTEMPT_SQL, [now, ATTEMPT_OUTCOME[verdict], attempt_id])
-        _send(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
+        if attempt_id is not None:
+            _send(CLOSE_ATTEMPT_SQL, [now, ATTEMPT_OUTCOME[verdict], attempt_id])
+            _send(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
         _send(SET_CLUSTER_SQL, [CLUSTER_STATUS[verdict], now, cluster_id])
         for kind, moves in _job_moves(verdict, members).items():
             if moves:
                 _send(MOVE_SQL[kind], [list(column) for column in zip(*moves, strict=True)])
     log.info(
-        "attempt %s decided %s",
-        attempt_id,
+        "cluster %s decided %s (attempt %s)",
+        cluster_id,
         verdict,
+        attempt_id,
         extra=ids(cluster=cluster_id, attempt=attempt_id),
     )
     return survivors
@@ -349,8 +404,8 @@ def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Att
         "outcome": outcome,
         "kind": kind,
         "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
-        "dead": _dead_statuses(),
     }
+    params = _statuses(**params)
     with connection.wrap_database_errors, connection.connection.pipeline():
         _send(BOUND_LOCK_WAITS_SQL, params)
         _send(LOCK_ATTEMPT_SQL, params)
@@ -372,9 +427,10 @@ def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None
         raise NotAllowed(f"{job_id} was reported already")
 
 
-def _resolve(attempt: Attempt) -> tuple[Verdict | None, list[int]]:
+def _resolve(attempt: Attempt, *, aborted: bool = False) -> tuple[Verdict | None, list[int]]:
     """The verdict of the reports so far, settled when there is one; the survivors."""
-    verdict = decide([m.state for m in attempt.members], budget_left=attempt.budget_left)
+    states = [m.state for m in attempt.members]
+    verdict = decide(states, budget_left=attempt.budget_left, aborted=aborted)
     if verdict is None:
         return None, []
     return verdict, settle(attempt.id, attempt.cluster_id, verdict, attempt.members)
@@ -428,19 +484,33 @@ def report_lost_members(worker_id: int) -> int:
     ).values_list("pk", "job_id")
     for pk, job_id in rows:
         with contextlib.suppress(NotAllowed):  # decided meanwhile
-            member_report(worker_id, job_id, pk, "Failed", "lost")
+            member_report(worker_id, job_id, pk, "Failed", LOST)
     return len(rows)
 
 
-def abort_attempt(attempt_id, reason: str) -> bool:
-    """An evaluation abort reached a member (or an operator aborted the cluster): the open
-    attempt is decided Abort, survivors end Aborted and are told. False if already closed."""
+def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdict | None:
+    """Ask the verdict about an open attempt without a report of its own: a member job ended
+    outside the attempt (the sweep), or the whole cluster is aborted (`aborted`). Settles and
+    tells the survivors when there is a verdict; None when there is none, or it was closed."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        attempt = ClusterAttempt.objects.select_for_update().get(pk=attempt_id)
-        if attempt.finished_at is not None:
-            return False
-        rows = attempt_members(attempt.pk)
-        survivors = settle(attempt.pk, attempt.cluster_job_id, Verdict.ABORT, rows)
-    notify_abort(attempt_id, reason, survivors)
-    return True
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM cluster_attempt WHERE id = %s AND finished_at IS NULL FOR UPDATE",
+                [attempt_id],
+            )
+            if cursor.fetchone() is None:
+                return None
+            cursor.execute(ATTEMPT_MEMBERS_SQL, _statuses(attempt=attempt_id))
+            attempt = Attempt.from_rows(cursor.fetchall())
+        verdict, survivors = _resolve(attempt, aborted=aborted)
+    if verdict is not None:
+        notify_abort(attempt_id, reason, survivors)
+    return verdict
+
+
+def abort_attempt(attempt_id, reason: str) -> bool:
+    """An evaluation abort reached every member (the operator aborted the cluster): the
+    verdict on the open attempt is Abort, survivors end Aborted and are told. False if it was
+    already closed."""
+    return resolve_attempt(attempt_id, reason, aborted=True) == Verdict.ABORT

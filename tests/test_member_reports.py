@@ -1,17 +1,26 @@
 """Member reports into the verdict, settled in one transaction, on the real database."""
 
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
 from django.db import OperationalError, connection
+from django.utils import timezone
 
 from clusters import coordinator
 from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
-from clusters.recovery import abort_attempt, member_report
+from clusters.recovery import (
+    abort_attempt,
+    member_report,
+    recover,
+    resolve_orphaned_attempts,
+)
+from clusters.verdict import LOST
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from gradient.jobs.transitions import advance_evaluation
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
 from tests.factories import (
@@ -20,6 +29,9 @@ from tests.factories import (
     EvalMemberFactory,
     WorkerFactory,
 )
+from workers.connection import detach
+from workers.liveness import disconnect_silent_workers
+from workers.models import Worker
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +43,25 @@ def started_cluster(retry_budget=0, primary=None):
     cluster = ClusterFactory(retry_budget=retry_budget)
     EvalMemberFactory(cluster_job=cluster, role="server", primary=primary == "server")
     BuildMemberFactory(cluster_job=cluster, role="client", primary=primary == "client")
+    return (cluster, *start_attempt(cluster))
+
+
+def start_attempt(cluster):
+    """Two new idle workers; the dispatch pass claims the cluster on them, and both accept."""
     workers = idle_workers(2)
     inbox = Inbox(workers)
     assert run_pass().claimed == [cluster.pk]
-    rows = {r.kind: r for r in DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster)}
+    rows = {
+        r.kind: r
+        for r in DispatchedJob.objects.filter(
+            cluster_attempt__cluster_job=cluster, cluster_attempt__finished_at__isnull=True
+        )
+    }
     for row in rows.values():
         coordinator.member_accepted(row.worker_id, row.job_id)
     for w in workers:
         inbox.frames(w)
-    return cluster, rows, inbox, workers
+    return rows, inbox, workers
 
 
 def report(row, outcome, kind=None):
@@ -130,6 +152,112 @@ def test_an_abort_decides_the_attempt_and_tells_every_survivor():
     )
     client = next(w for w in workers if w.pk == rows["build"].worker_id)
     assert [f["type"] for f in inbox.frames(client)] == ["AbortCluster"]
+
+
+@pytest.mark.django_db
+def test_an_abort_the_server_did_not_order_is_a_failure_retried_within_the_budget():
+    cluster, rows, _, _ = started_cluster(retry_budget=1)
+    assert report(rows["build"], "Failed", "aborted") == "Retry"
+    assert statuses(cluster) == (ClusterStatus.QUEUED, EvaluationStatus.QUEUED, BuildStatus.QUEUED)
+    rows, _, _ = start_attempt(cluster)
+    assert report(rows["build"], "Failed", "aborted") == "Fail"
+    # Its own outcome, an abort; the survivor ends Aborted too.
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.ABORTED,
+        BuildStatus.ABORTED,
+    )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("outcome", ["Completed", "Failed"])
+def test_an_evaluation_abort_that_reached_a_member_decides_abort(outcome):
+    cluster, rows, inbox, workers = started_cluster(retry_budget=3)
+    evaluation = cluster.members.get(role="server").evaluation
+    assert advance_evaluation(evaluation.pk, EvaluationStatus.ABORTED)
+    # Whichever report comes next (the aborted member's own, or its sibling's) decides Abort.
+    row = rows["eval"] if outcome == "Failed" else rows["build"]
+    assert report(row, outcome, "aborted" if outcome == "Failed" else None) == "Abort"
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.ABORTED
+    assert ClusterAttempt.objects.get().outcome == AttemptOutcome.ABORTED
+    survivor = rows["build"] if outcome == "Failed" else rows["eval"]
+    told = next(w for w in workers if w.pk == survivor.worker_id)
+    assert [f["type"] for f in inbox.frames(told)] == ["AbortCluster"]
+
+
+@pytest.mark.django_db
+def test_retry_budget_bounds_retries_not_the_per_evaluation_assignment_budget(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "MAX_JOB_ATTEMPTS": 2}
+    cluster, rows, _, _ = started_cluster(retry_budget=3)
+    verdicts = [report(rows["eval"], "Failed", "transient")]
+    for _ in range(3):
+        rows, _, _ = start_attempt(cluster)
+        verdicts.append(report(rows["eval"], "Failed", "transient"))
+    # Four failed assignments of one evaluation, twice what a single job would get.
+    assert verdicts == ["Retry", "Retry", "Retry", "Fail"]
+    assert DispatchedJob.objects.filter(job_id=rows["eval"].job_id, outcome="Failed").count() == 4
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.FAILED,
+        BuildStatus.ABORTED,
+    )
+
+
+@pytest.mark.django_db
+def test_a_disconnect_reports_a_member_lost_into_the_verdict_never_as_a_single_job():
+    """Members count as tracked while their attempt is open: the abandoned-dispatch sweep
+    (workers.connection.abandon_single_assignments, on a disconnect) leaves them alone."""
+    cluster, rows, _, _ = started_cluster(retry_budget=0)
+    gone = rows["build"]
+    Worker.objects.filter(pk=gone.worker_id).update(channel_name="socket")
+    assert detach(gone.worker_id, "socket")
+    assert DispatchedJob.objects.get(pk=gone.pk).failure_kind == LOST
+    # Budget spent: a Fail; the lost build's requeueing outcome made permanent.
+    assert statuses(cluster) == (
+        ClusterStatus.FAILED,
+        EvaluationStatus.ABORTED,
+        BuildStatus.FAILED_PERMANENT,
+    )
+
+
+@pytest.mark.django_db
+def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
+    """The verdict abandons every open row as it decides: a companion told AbortCluster whose
+    worker never answers leaves nothing to reap when the worker is declared gone."""
+    settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 120}
+    cluster, rows, _, _ = started_cluster(primary="server")
+    assert report(rows["eval"], "Completed") == "Complete"
+    assert not DispatchedJob.objects.filter(finished_at__isnull=True).exists()
+    mute = rows["build"].worker_id
+    Worker.objects.filter(pk=mute).update(last_seen_at=timezone.now() - timedelta(seconds=600))
+    assert disconnect_silent_workers() == [mute]
+    assert recover() == {"expired": [], "resolved": [], "settled": []}
+    assert statuses(cluster) == (
+        ClusterStatus.COMPLETED,
+        EvaluationStatus.COMPLETED,
+        BuildStatus.ABORTED,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_once():
+    for _ in range(100):
+        cluster, rows, _, _ = started_cluster(retry_budget=1)
+        attempt = rows["eval"].cluster_attempt_id
+        evaluation = cluster.members.get(role="server").evaluation_id
+        assert advance_evaluation(evaluation, EvaluationStatus.ABORTED)
+        swept, reported = race(
+            resolve_orphaned_attempts, lambda r=rows: report(r["build"], "Completed")
+        )
+        # Whichever came first decided Abort; the other found it decided.
+        assert (swept == [attempt]) != (reported == "Abort"), (swept, reported)
+        cluster_status, _, build = statuses(cluster)
+        assert cluster_status == ClusterStatus.ABORTED
+        assert ClusterAttempt.objects.get(pk=attempt).outcome == AttemptOutcome.ABORTED
+        # A completion that came first settles Completed; else the survivor ends Aborted.
+        assert build == (BuildStatus.COMPLETED if reported else BuildStatus.ABORTED)
+        assert not DispatchedJob.objects.filter(finished_at__isnull=True).exists()
 
 
 @pytest.mark.django_db(transaction=True)

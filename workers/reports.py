@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from clusters.coordinator import accept_assignment, member_rejected
 from clusters.recovery import member_report
-from clusters.verdict import ABORTING_FAILURES
+from clusters.verdict import ABORTING_FAILURES, REQUEUEING_FAILURES
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
     BuildStatus,
@@ -30,11 +30,6 @@ from gradient.jobs.transitions import (
     advance_evaluation,
 )
 from workers.assignment import FETCH_STEPS
-
-# Failure kinds after which the same job may succeed on another try.
-REQUEUEING_FAILURES = frozenset(
-    {"transient", "timeout", "substitute_unavailable", "inputs_unavailable", "corrupt_eval_cache"}
-)
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
