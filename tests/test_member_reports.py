@@ -262,7 +262,7 @@ def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_
 
 @pytest.mark.django_db(transaction=True)
 def test_simultaneous_reports_decide_the_attempt_once():
-    for _ in range(20):
+    for _ in range(100):
         cluster, rows, _, _ = started_cluster(retry_budget=1)
         verdicts = race(
             lambda r=rows: report(r["eval"], "Failed", "transient"),
@@ -280,7 +280,7 @@ def test_simultaneous_reports_decide_the_attempt_once():
 @pytest.mark.django_db(transaction=True)
 def test_of_simultaneous_completions_the_later_sees_the_earlier_and_decides():
     # Neither member is primary: only the report that finds its sibling done decides.
-    for _ in range(20):
+    for _ in range(100):
         cluster, rows, _, _ = started_cluster()
         verdicts = race(
             lambda r=rows: report(r["eval"], "Completed"),
