@@ -285,6 +285,10 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
     """Release a stale reservation, commit the active one once its seats are idle, or let the
     oldest overdue cluster reserve. What happened, for the pass's result."""
     released = reservation.release_stale(now)
+    if released:
+        # The next pass may reserve again, not this one: reserving now would hold the same
+        # seats straight away, and single jobs would never reach them.
+        return f"released: {released}"
     active = reservation.active_reservation()
     if active is not None:
         placement = reservation.committable(active, {c.id: c for c in ready}, now)
@@ -292,12 +296,12 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
             claimed.add(active.cluster_job_id)
             reservation.release(active.pk, "committed")
             return "committed"
-        return f"released: {released}" if released else "holding"
+        return "holding"
     for cluster in reservation.due(ready, claimed, now):
         target = reservation.target(cluster, now)
         if target is not None and reservation.reserve(target, now) is not None:
             return "reserved"
-    return f"released: {released}" if released else None
+    return None
 
 
 def _try_lock(wait: bool) -> bool:

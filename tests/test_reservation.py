@@ -5,6 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from clusters.abort import abort_cluster
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
 from clusters.reservation import active_reservation, reserve, target
@@ -67,7 +68,7 @@ def test_an_old_cluster_reserves_idle_workers_first():
 
 
 def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
-    cluster_aged(120)
+    cluster = cluster_aged(120)
     busy_workers(2)
     run_pass()
     reservation = active_reservation()
@@ -75,7 +76,8 @@ def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
     BuildFactory()  # a single job that would fit
     assert request_job(seat.worker_id, "build") is None
     assert IdleSlot.objects.filter(worker_id=seat.worker_id, kind="build").exists()
-    ClusterReservation.objects.filter(pk=reservation.pk).update(released_at=timezone.now())
+    abort_cluster(cluster.pk, "no longer wanted")  # the cluster leaves the queue
+    assert run_pass().reservation == "released: the cluster left the queue"
     assert request_job(seat.worker_id, "build") is not None
 
 
@@ -99,6 +101,8 @@ def test_a_disconnected_seat_drops_the_reservation_and_the_next_pass_reserves_ag
     gone = reservation.seats.first().worker
     gone.channel_name = None
     gone.save()
+    assert run_pass().reservation == "released: a seat's worker disconnected"
+    assert active_reservation() is None
     assert run_pass().reservation == "reserved"
     reservation.refresh_from_db()
     assert reservation.release_reason == "a seat's worker disconnected"
@@ -116,13 +120,20 @@ def test_a_cluster_leaving_the_queue_drops_its_reservation():
     assert reservation.release_reason == "the cluster left the queue"
 
 
-def test_a_reservation_times_out(settings):
+def test_a_timed_out_reservation_frees_its_seats_for_single_jobs():
     cluster_aged(120)
     busy_workers(2)
     run_pass()
+    seats = list(active_reservation().seats.values_list("worker_id", flat=True))
     ClusterReservation.objects.update(created_at=timezone.now() - timedelta(seconds=301))
-    run_pass()
-    assert ClusterReservation.objects.order_by("created_at").first().release_reason == ("timed out")
+    # The pass that releases it does not reserve again, on these seats or any.
+    assert run_pass().reservation == "released: timed out"
+    assert ClusterReservation.objects.get().release_reason == "timed out"
+    assert active_reservation() is None
+    # Before any new reservation, the freed seats take single jobs.
+    for worker_id in seats:
+        BuildFactory()
+        assert request_job(worker_id, "build") is not None
 
 
 def test_a_reservation_commits_once_every_seat_is_idle():
