@@ -30,6 +30,7 @@ from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
     StartableCluster,
+    note_waiting,
     planned_cluster,
     planned_worker,
     startable_clusters,
@@ -344,7 +345,9 @@ def run_pass(wait: bool = False) -> PassResult:
                 seen.score_arrays.finish()
             result.placed = len(placed)
             result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
-        result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
+        claimed_now = set(result.claimed)
+        result.reservation = age_reservations(ready, claimed_now, rows, since, now)
+        note_waiting([c.id for c in ready if c.id not in claimed_now], now)
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK])

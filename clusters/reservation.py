@@ -18,7 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import ClusterReservation, ClusterStatus, ReservationSeat
+from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
 from clusters.tracking import StartableCluster, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.models import IdleSlot, JobScore, Worker
@@ -70,7 +70,15 @@ def release_stale(now) -> str | None:
         reason = "the cluster left the queue"
     else:
         return None
-    return reason if release(active.pk, reason) else None
+    if not release(active.pk, reason):
+        return None
+    if reason == "timed out":
+        # Its aging clock starts again, so the seats are not held again at once: other
+        # overdue clusters may reserve first, and single jobs run meanwhile.
+        ClusterJob.objects.filter(pk=cluster.pk, waiting_since__isnull=False).update(
+            waiting_since=now
+        )
+    return reason
 
 
 def target(cluster: StartableCluster, now) -> planner.Placement | None:

@@ -1,12 +1,11 @@
 """The hourly retention pass: finished clusters past retentionDays go, memberless finished
 ones go at once, active ones (or any with an open attempt) never do."""
 
-import threading
 import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
 from bench import retention as bench
@@ -21,7 +20,7 @@ from clusters.models import (
 )
 from clusters.retention import run_retention
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome, JobKind
-from tests.concurrency import race
+from tests.concurrency import race, rows_locked
 from tests.factories import ClusterFactory, EvalMemberFactory, WorkerFactory
 
 pytestmark = pytest.mark.django_db
@@ -151,23 +150,8 @@ def test_passes_at_once_delete_each_cluster_exactly_once(days, advisory_lock, mo
 @pytest.mark.django_db(transaction=True)
 def test_a_cluster_row_locked_elsewhere_is_skipped_not_waited_on(days):
     held, free = (cluster(ClusterStatus.COMPLETED, days + 1) for _ in range(2))
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            ClusterJob.objects.select_for_update().get(pk=held.pk)
-            locked.set()
-            release.wait(30)
-        connection.close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert locked.wait(30)
+    with rows_locked(ClusterJob.objects.filter(pk=held.pk)):
         assert race(run_retention) == [1]
-    finally:
-        release.set()
-        holder.join(30)
     assert remaining(held, free) == {held.pk}
     assert run_retention() == 1
 
