@@ -49,8 +49,9 @@ def release(reservation_id, reason: str) -> bool:
 
 
 def release_stale(now) -> str | None:
-    """Release the active reservation when it timed out, a seat's worker disconnected, or its
-    cluster left the queue (finished, aborted, or claimed: an open attempt); the reason."""
+    """Release the active reservation when it timed out, a seat's worker disconnected, its
+    cluster left the queue (finished, aborted, or claimed: an open attempt), or its members
+    are no longer the seats' jobs (it could never commit); the reason."""
     active = active_reservation()
     if active is None:
         return None
@@ -68,6 +69,10 @@ def release_stale(now) -> str | None:
         or cluster.attempts_made.filter(finished_at__isnull=True).exists()
     ):
         reason = "the cluster left the queue"
+    elif {m.job_key for m in cluster.members.all()} != set(
+        active.seats.values_list("job_id", flat=True)
+    ):
+        reason = "the cluster's members changed"
     else:
         return None
     if not release(active.pk, reason):
@@ -165,7 +170,7 @@ def committable(reservation: ClusterReservation, book: dict[int, StartableCluste
         return None
     by_key = {m.key: m for m in cluster.members}
     if set(by_key) != {s.job_id for s in seats}:
-        return None  # the members changed since it was reserved: let it be released
+        return None  # the members changed since it was reserved: release_stale releases it
     return planner.Placement(
         cluster_id=cluster.id,
         zone=None,

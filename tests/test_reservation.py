@@ -177,6 +177,18 @@ def test_a_deleted_cluster_drops_its_reservation():
     assert run_pass().reservation is None
 
 
+def test_a_reservation_whose_members_changed_is_released():
+    cluster = cluster_aged(120, roles=("server", "client", "client"))
+    busy_workers(3)
+    run_pass()
+    # Evaluation garbage collection, or an operator, removes a member's job.
+    DerivationBuild.objects.filter(pk=cluster.members.last().derivation_build_id).delete()
+    assert run_pass().reservation == "released: the cluster's members changed"
+    assert active_reservation() is None
+    assert run_pass().reservation == "reserved"  # the next pass, on its members now
+    assert active_reservation().seats.count() == 2
+
+
 def test_a_cluster_leaving_the_queue_drops_its_reservation():
     cluster = cluster_aged(120)
     busy_workers(2)
