@@ -300,7 +300,7 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
         return "holding"
     for cluster in reservation.due(ready, claimed, now):
         target = reservation.target(cluster, now)
-        if target is not None and reservation.reserve(target, now) is not None:
+        if target is not None and reservation.reserve(target) is not None:
             return "reserved"
     return None
 

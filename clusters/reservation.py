@@ -126,12 +126,13 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
     return placements[0] if placements else None
 
 
-def reserve(placement: planner.Placement, now) -> ClusterReservation | None:
+def reserve(placement: planner.Placement) -> ClusterReservation | None:
     """Hold the placement's seats; None when another cluster holds the reservation."""
     try:
         with transaction.atomic(durable=True):
+            # Stamped now, not at the pass's start: from here on its seats get no single job.
             reservation = ClusterReservation.objects.create(
-                cluster_job_id=placement.cluster_id, created_at=now
+                cluster_job_id=placement.cluster_id, created_at=timezone.now()
             )
             ReservationSeat.objects.bulk_create(
                 ReservationSeat(

@@ -132,7 +132,7 @@ def test_only_one_cluster_holds_a_reservation():
     [book_second] = [c for c in startable_clusters() if c.id == second.pk]
     placement = target(book_second, timezone.now())
     assert placement is not None
-    assert reserve(placement, timezone.now()) is None  # refused: the first holds one
+    assert reserve(placement) is None  # refused: the first holds one
     assert ClusterReservation.objects.count() == 1
     # The second (evaluations) plans over the workers left unreserved once they are idle.
     reserved = set(active_reservation().seats.values_list("worker_id", flat=True))
