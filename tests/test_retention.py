@@ -10,6 +10,8 @@ from django.utils import timezone
 
 from bench import retention as bench
 from clusters import retention
+from clusters.abort import abort_cluster
+from clusters.dispatch import run_pass
 from clusters.models import (
     CLUSTER_ACTIVE,
     CLUSTER_TERMINAL,
@@ -154,6 +156,17 @@ def test_a_cluster_row_locked_elsewhere_is_skipped_not_waited_on(days):
         assert race(run_retention) == [1]
     assert remaining(held, free) == {held.pk}
     assert run_retention() == 1
+
+
+def test_only_the_status_write_moves_a_finished_clusters_finish_time(memory_layer):
+    job = cluster(ClusterStatus.QUEUED, attempt=None)
+    run_pass()  # no workers: it waits, and its aging clock starts
+    assert ClusterJob.objects.get(pk=job.pk).waiting_since is not None
+    abort_cluster(job.pk, "not wanted")
+    finished = ClusterJob.objects.get(pk=job.pk).updated_at
+    run_pass()  # it stopped waiting: the pass clears its clock, on a finished row
+    row = ClusterJob.objects.get(pk=job.pk)
+    assert row.waiting_since is None and row.updated_at == finished
 
 
 def test_at_scale_the_pass_deletes_exactly_the_finished_clusters_past_the_cutoff(days):
