@@ -176,15 +176,16 @@ def test_at_scale_the_pass_deletes_exactly_the_finished_clusters_past_the_cutoff
     began = time.perf_counter()
     deleted = run_retention()
     print(f"\nretention pass: {deleted} clusters in {time.perf_counter() - began:.2f} s")
-    assert deleted == bench.FINISHED
+    assert deleted == bench.DELETED == bench.FINISHED + bench.YOUNG_GONE
     assert ClusterJob.objects.filter(status__in=CLUSTER_ACTIVE).count() == bench.ACTIVE
     kept = ClusterJob.objects.filter(status__in=CLUSTER_TERMINAL)
     assert kept.count() == kept.filter(updated_at=now).count() == bench.YOUNG
     assert ClusterMember.objects.count() == bench.ACTIVE + bench.YOUNG
-    assert DispatchedJob.objects.count() == bench.FINISHED // 100 + bench.ACTIVE + bench.YOUNG
-    assert (
-        DispatchedJob.objects.filter(cluster_attempt__isnull=True).count() == bench.FINISHED // 100
-    )
+    assert ClusterAttempt.objects.count() == bench.ACTIVE + bench.YOUNG
+    # One row per attempt, all kept as telemetry; those of the deleted clusters' attempts
+    # lost their attempt.
+    assert DispatchedJob.objects.count() == bench.DELETED + bench.ACTIVE + bench.YOUNG
+    assert DispatchedJob.objects.filter(cluster_attempt__isnull=True).count() == bench.DELETED
 
 
 def test_the_celery_task_runs_the_pass(days):
