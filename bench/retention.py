@@ -1,11 +1,13 @@
-"""Retention pass: 100,000 finished cluster jobs past the cutoff beside 100 active ones.
+"""Retention pass: 100,000 finished cluster jobs past the cutoff beside active and young ones.
 
     .venv/bin/python bench/retention.py [--repeat N] [--write docs/benchmarks.md]
 
-Every repetition rebuilds the rows with raw SQL (untimed): 100,000 finished clusters past the
-cutoff (every 100th with a member, a finished attempt and its dispatched_job row), 100 active
-ones as old (each with a member; the Running ones with an open attempt) and 100 young finished
-ones with members. Only run_retention() is timed, and it must delete exactly the 100,000.
+Every repetition rebuilds the rows with raw SQL (untimed). Every cluster has one attempt with
+a dispatched_job row per member. 100,000 finished clusters past the cutoff, nine in ten with
+an evaluation member, the tenth without (evaluation garbage collection took it); 10,000 young
+finished ones with members, which stay; 1,000 young finished ones without members, which go
+at once; 100 active ones as old as the first (with members; the Running ones with an open
+attempt). Only run_retention() is timed, and it must delete exactly the 101,000.
 
 It uses its own database (--database-url, default gradient_bench_retention): created and
 migrated when missing, and emptied at the start of every repetition.
@@ -21,12 +23,14 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-FINISHED, ACTIVE, YOUNG = 100_000, 100, 100
+FINISHED, ACTIVE, YOUNG, YOUNG_GONE = 100_000, 100, 10_000, 1_000
+DELETED = FINISHED + YOUNG_GONE
 SECTION = "## Retention pass"
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_retention"
 
-# One statement per group of clusters: the clusters, then for every `every`-th of them an
-# evaluation member, an attempt (open or finished) and the attempt's dispatched_job row.
+# One statement per group of clusters: the clusters, each with an attempt (open or finished)
+# and its dispatched_job row, and an evaluation member but for every `memberless`-th cluster
+# (0: none memberless, 1: all), whose row then names no evaluation, as after garbage collection.
 GROUP_SQL = """
 WITH c AS (
     INSERT INTO cluster_job (project_id, status, same_zone, attempts, retry_budget,
@@ -36,17 +40,19 @@ WITH c AS (
     FROM generate_series(1, %(n)s) i
     RETURNING id
 ), picked AS (
-    SELECT id AS cluster_id, gen_random_uuid() AS eval_id, gen_random_uuid() AS attempt_id,
+    SELECT id AS cluster_id, gen_random_uuid() AS attempt_id,
+           CASE WHEN %(memberless)s = 0 OR id %% %(memberless)s <> 0
+                THEN gen_random_uuid() END AS eval_id,
            CASE WHEN %(open)s THEN NULL ELSE %(at)s END AS finished_at
-    FROM c WHERE id %% %(every)s = 0
+    FROM c
 ), e AS (
     INSERT INTO evaluation (id, project_id, architecture, required_features, paths,
                             prioritized, created_at, updated_at, status)
     SELECT eval_id, %(project)s, 'x86_64-linux', '{}', '{}', false, %(at)s, %(at)s, 'Completed'
-    FROM picked
+    FROM picked WHERE eval_id IS NOT NULL
 ), m AS (
     INSERT INTO cluster_member (cluster_job_id, evaluation_id, role, "primary")
-    SELECT cluster_id, eval_id, 'server', true FROM picked
+    SELECT cluster_id, eval_id, 'server', true FROM picked WHERE eval_id IS NOT NULL
 ), a AS (
     INSERT INTO cluster_attempt (id, cluster_job_id, created_at, started_at, finished_at, outcome)
     SELECT attempt_id, cluster_id, %(at)s, %(at)s, finished_at,
@@ -55,29 +61,31 @@ WITH c AS (
 )
 INSERT INTO dispatched_job (id, kind, job_id, steps, dispatched_at, finished_at, outcome,
                             cluster_attempt_id, worker_id, evaluation_id, project_id)
-SELECT gen_random_uuid(), 'eval', 'eval:' || eval_id, '{}', %(at)s, finished_at,
-       CASE WHEN finished_at IS NULL THEN NULL ELSE 'Completed' END,
+SELECT gen_random_uuid(), 'eval', 'eval:' || coalesce(eval_id, gen_random_uuid()), '{}', %(at)s,
+       finished_at, CASE WHEN finished_at IS NULL THEN NULL ELSE 'Completed' END,
        attempt_id, %(worker)s, eval_id, %(project)s
 FROM picked
 """
 
 
 def populate(cursor, old, young) -> None:
-    """FINISHED finished clusters and ACTIVE active ones updated at `old`, YOUNG finished
-    ones (all with members) at `young`, under a project and worker of their own."""
+    """The groups of the module's docstring, `old` past the cutoff and `young` not, under a
+    project and worker of their own, oldest first (as ids grow in production)."""
     from gradient.jobs.models import Project
     from workers.models import Worker
 
     name = f"retention-{uuid.uuid4()}"
     project = Project.objects.create(name=name).pk
     worker = Worker.objects.create(name=name, token_hash=uuid.uuid4().hex).pk
+    finished = ["Completed", "Failed", "Aborted"]
     groups = [
-        (FINISHED, ["Completed", "Failed", "Aborted"], old, 100, False),
-        (ACTIVE // 2, ["Queued"], old, 1, False),
-        (ACTIVE - ACTIVE // 2, ["Running"], old, 1, True),
-        (YOUNG, ["Completed"], young, 1, False),
+        (FINISHED, finished, old, 10, False),
+        (ACTIVE // 2, ["Queued"], old, 0, False),
+        (ACTIVE - ACTIVE // 2, ["Running"], old, 0, True),
+        (YOUNG, finished, young, 0, False),
+        (YOUNG_GONE, finished, young, 1, False),
     ]
-    for n, statuses, at, every, is_open in groups:
+    for n, statuses, at, memberless, is_open in groups:
         cursor.execute(
             GROUP_SQL,
             {
@@ -86,11 +94,13 @@ def populate(cursor, old, young) -> None:
                 "n": n,
                 "statuses": statuses,
                 "at": at,
-                "every": every,
+                "memberless": memberless,
                 "open": is_open,
             },
         )
-    cursor.execute("ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job")
+    cursor.execute(
+        "ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job, evaluation"
+    )
 
 
 def main() -> None:
@@ -139,7 +149,7 @@ def main() -> None:
         began = time.perf_counter()
         deleted = run_retention()
         times.append(time.perf_counter() - began)
-        assert deleted == FINISHED, deleted
+        assert deleted == DELETED, deleted
         print(f"deleted {deleted} (batches of {BATCH}) in {times[-1]:.2f} s", flush=True)
     print(f"median {statistics.median(times):.2f} s over {len(times)} runs")
     if args.write:
@@ -151,7 +161,7 @@ def section(command: str, times: list[float], batch: int, load: str) -> str:
     from bench import _common as common
 
     row = [
-        f"{FINISHED:,}",
+        f"{DELETED:,}",
         f"{ACTIVE + YOUNG:,}",
         len(times),
         f"{statistics.median(times):.2f}",
@@ -160,8 +170,10 @@ def section(command: str, times: list[float], batch: int, load: str) -> str:
     return (
         f"{SECTION}\n\n"
         f"The hourly retention pass deleting {FINISHED:,} finished clusters past the cutoff"
-        f" (some with members and attempts) while {ACTIVE} active and {YOUNG} young finished"
-        f" ones stay, in batches of {batch:,} (see `bench/retention.py`). Only"
+        f" (nine in ten with a member; every one with an attempt and its dispatched_job rows)"
+        f" and {YOUNG_GONE:,} young finished ones that evaluation garbage collection left"
+        f" without members, while {YOUNG:,} young finished ones and {ACTIVE} active ones as"
+        f" old as the first stay, in batches of {batch:,} (see `bench/retention.py`). Only"
         " `run_retention()` is timed; the rows are rebuilt before every run.\n\n"
         f"- Command: `{command}`\n- Date: {common.now_line()}\n"
         f"- Machine: {common.machine()} on the same host over TCP, shared with other work"

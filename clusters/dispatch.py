@@ -30,6 +30,7 @@ from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
     StartableCluster,
+    note_waiting,
     planned_cluster,
     planned_worker,
     startable_clusters,
@@ -285,6 +286,10 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
     """Release a stale reservation, commit the active one once its seats are idle, or let the
     oldest overdue cluster reserve. What happened, for the pass's result."""
     released = reservation.release_stale(now)
+    if released:
+        # The next pass may reserve again, not this one: reserving now would hold the same
+        # seats straight away, and single jobs would never reach them.
+        return f"released: {released}"
     active = reservation.active_reservation()
     if active is not None:
         placement = reservation.committable(active, {c.id: c for c in ready}, now)
@@ -292,12 +297,12 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
             claimed.add(active.cluster_job_id)
             reservation.release(active.pk, "committed")
             return "committed"
-        return f"released: {released}" if released else "holding"
+        return "holding"
     for cluster in reservation.due(ready, claimed, now):
         target = reservation.target(cluster, now)
-        if target is not None and reservation.reserve(target, now) is not None:
+        if target is not None and reservation.reserve(target) is not None:
             return "reserved"
-    return f"released: {released}" if released else None
+    return None
 
 
 def _try_lock(wait: bool) -> bool:
@@ -340,7 +345,9 @@ def run_pass(wait: bool = False) -> PassResult:
                 seen.score_arrays.finish()
             result.placed = len(placed)
             result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
-        result.reservation = age_reservations(ready, set(result.claimed), rows, since, now)
+        claimed_now = set(result.claimed)
+        result.reservation = age_reservations(ready, claimed_now, rows, since, now)
+        note_waiting([c.id for c in ready if c.id not in claimed_now], now)
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK])

@@ -41,12 +41,21 @@ class ClusterJob(models.Model):
     retry_budget = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # The aging reservation's clock: since when the dispatch pass has seen the cluster able to
+    # start and unplaced (clusters.tracking.note_waiting); NULL otherwise.
+    waiting_since = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "cluster_job"
         indexes = [
             # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
+            # The pass clears the clocks of clusters no longer waiting: few rows, found here.
+            models.Index(
+                fields=["id"],
+                condition=Q(waiting_since__isnull=False),
+                name="idx-cluster_job-waiting",
+            ),
         ]
 
     def __str__(self):

@@ -18,7 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import ClusterReservation, ClusterStatus, ReservationSeat
+from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
 from clusters.tracking import StartableCluster, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.models import IdleSlot, JobScore, Worker
@@ -49,8 +49,9 @@ def release(reservation_id, reason: str) -> bool:
 
 
 def release_stale(now) -> str | None:
-    """Release the active reservation when it timed out, a seat's worker disconnected, or its
-    cluster left the queue (finished, aborted, or claimed: an open attempt); the reason."""
+    """Release the active reservation when it timed out, a seat's worker disconnected, its
+    cluster left the queue (finished, aborted, or claimed: an open attempt), or its members
+    are no longer the seats' jobs (it could never commit); the reason."""
     active = active_reservation()
     if active is None:
         return None
@@ -68,9 +69,21 @@ def release_stale(now) -> str | None:
         or cluster.attempts_made.filter(finished_at__isnull=True).exists()
     ):
         reason = "the cluster left the queue"
+    elif {m.job_key for m in cluster.members.all()} != set(
+        active.seats.values_list("job_id", flat=True)
+    ):
+        reason = "the cluster's members changed"
     else:
         return None
-    return reason if release(active.pk, reason) else None
+    if not release(active.pk, reason):
+        return None
+    if reason == "timed out":
+        # Its aging clock starts again, so the seats are not held again at once: other
+        # overdue clusters may reserve first, and single jobs run meanwhile.
+        ClusterJob.objects.filter(pk=cluster.pk, waiting_since__isnull=False).update(
+            waiting_since=now
+        )
+    return reason
 
 
 def target(cluster: StartableCluster, now) -> planner.Placement | None:
@@ -113,12 +126,13 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
     return placements[0] if placements else None
 
 
-def reserve(placement: planner.Placement, now) -> ClusterReservation | None:
+def reserve(placement: planner.Placement) -> ClusterReservation | None:
     """Hold the placement's seats; None when another cluster holds the reservation."""
     try:
         with transaction.atomic(durable=True):
+            # Stamped now, not at the pass's start: from here on its seats get no single job.
             reservation = ClusterReservation.objects.create(
-                cluster_job_id=placement.cluster_id, created_at=now
+                cluster_job_id=placement.cluster_id, created_at=timezone.now()
             )
             ReservationSeat.objects.bulk_create(
                 ReservationSeat(
@@ -157,7 +171,7 @@ def committable(reservation: ClusterReservation, book: dict[int, StartableCluste
         return None
     by_key = {m.key: m for m in cluster.members}
     if set(by_key) != {s.job_id for s in seats}:
-        return None  # the members changed since it was reserved: let it be released
+        return None  # the members changed since it was reserved: release_stale releases it
     return planner.Placement(
         cluster_id=cluster.id,
         zone=None,

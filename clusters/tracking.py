@@ -99,11 +99,7 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
 STARTABLE_SQL = """
 SELECT c.id, c.same_zone, c.created_at,
        bool_or(coalesce(e.prioritized, b.prioritized)) AS prioritized,
-       -- Waiting since its creation or its last started attempt; a failed prepare does not
-       -- reset the clock of an aging reservation.
-       GREATEST(c.created_at, (SELECT max(a.finished_at) FROM cluster_attempt a
-                               WHERE a.cluster_job_id = c.id AND a.started_at IS NOT NULL))
-           AS waiting_since
+       c.waiting_since
 FROM cluster_job c
 JOIN cluster_member m ON m.cluster_job_id = c.id
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
@@ -192,6 +188,29 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
             )
         )
     return out
+
+
+# The aging clock of every cluster as one pass saw it: started for the clusters in its book
+# it did not place (unless running), stopped for the rest (placed, claimed, or no longer able
+# to start). Rows another transaction holds are skipped, not waited for: the next pass
+# catches up. Clusters past the book's limit count as not waiting.
+NOTE_WAITING_SQL = """
+WITH changed AS (
+    SELECT c.id, c.id = ANY(%(waiting)s) AS waiting FROM cluster_job c
+    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s) AND c.status = 'Queued')
+       OR (c.waiting_since IS NOT NULL AND c.id <> ALL(%(waiting)s))
+    FOR NO KEY UPDATE OF c SKIP LOCKED
+)
+UPDATE cluster_job c SET waiting_since = CASE WHEN changed.waiting THEN %(now)s::timestamptz END
+FROM changed WHERE c.id = changed.id
+"""
+
+
+def note_waiting(waiting: list[int], now) -> None:
+    """Start the clocks of these clusters (able to start, unplaced) where not running, and
+    stop every other one: one statement, whatever the number of clusters."""
+    with connection.cursor() as cursor:
+        cursor.execute(NOTE_WAITING_SQL, {"waiting": waiting, "now": now})
 
 
 def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:

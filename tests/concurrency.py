@@ -1,8 +1,9 @@
 """Run callables at the same instant on real, separate database connections."""
 
 import threading
+from contextlib import contextmanager
 
-from django.db import connection
+from django.db import connection, transaction
 
 
 def race(*calls, timeout=30):
@@ -29,3 +30,28 @@ def race(*calls, timeout=30):
     if errors:
         raise errors[0]
     return results
+
+
+@contextmanager
+def rows_locked(queryset, timeout=30):
+    """Hold the queryset's rows FOR UPDATE in another transaction (a thread, so its own
+    connection) until the block ends."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold():
+        try:
+            with transaction.atomic():
+                list(queryset.select_for_update())
+                locked.set()
+                release.wait(timeout)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(timeout), "could not lock the rows"
+        yield
+    finally:
+        release.set()
+        holder.join(timeout)

@@ -1,15 +1,20 @@
 """Aging reservations on the real passes, with short settings."""
 
+import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
+from clusters.abort import abort_cluster
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
 from clusters.reservation import active_reservation, reserve, target
-from clusters.tracking import startable_clusters
+from clusters.tracking import note_waiting, startable_clusters
+from gradient.jobs.models import DerivationBuild
 from tests.clusterflow import Inbox, idle_workers
+from tests.concurrency import rows_locked
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -32,14 +37,19 @@ def _short(settings, memory_layer):
     }
 
 
-def cluster_aged(seconds, roles=("server", "client")):
+def cluster_aged(seconds, roles=("server", "client"), member=BuildMemberFactory):
+    """A cluster the passes have seen able to start and unplaced for `seconds`."""
     cluster = ClusterFactory()
     for role in roles:
-        BuildMemberFactory(cluster_job=cluster, role=role)
+        member(cluster_job=cluster, role=role)
     ClusterJob.objects.filter(pk=cluster.pk).update(
-        created_at=timezone.now() - timedelta(seconds=seconds)
+        waiting_since=timezone.now() - timedelta(seconds=seconds)
     )
     return cluster
+
+
+def waiting_since(cluster):
+    return ClusterJob.objects.values_list("waiting_since", flat=True).get(pk=cluster.pk)
 
 
 def busy_workers(n):
@@ -51,6 +61,40 @@ def test_a_young_cluster_reserves_nothing():
     busy_workers(2)
     assert run_pass().reservation is None
     assert not ClusterReservation.objects.exists()
+
+
+def test_the_clock_starts_when_a_pass_first_sees_the_cluster_able_to_start():
+    cluster = cluster_aged(0)
+    member = cluster.members.first()
+    ClusterJob.objects.filter(pk=cluster.pk).update(
+        created_at=timezone.now() - timedelta(hours=1), waiting_since=None
+    )
+    DerivationBuild.objects.filter(pk=member.derivation_build_id).update(status="Building")
+    busy_workers(2)
+    run_pass()  # a member cannot start: no clock, an hour old or not
+    assert waiting_since(cluster) is None
+    DerivationBuild.objects.filter(pk=member.derivation_build_id).update(status="Queued")
+    before = timezone.now()
+    assert run_pass().reservation is None  # its first pass able to start
+    started = waiting_since(cluster)
+    assert started >= before
+    assert run_pass().reservation is None
+    assert waiting_since(cluster) == started  # kept, not moved, while it waits
+    ClusterJob.objects.filter(pk=cluster.pk).update(waiting_since=started - timedelta(seconds=61))
+    assert run_pass().reservation == "reserved"
+
+
+def test_the_clock_stops_when_the_cluster_is_placed_or_cannot_start():
+    placed, held = cluster_aged(30), cluster_aged(30)
+    idle_workers(2, kinds=("build",))
+    run_pass()
+    assert ClusterAttempt.objects.filter(cluster_job=placed).exists()
+    assert waiting_since(placed) is None
+    assert waiting_since(held) is not None
+    member = held.members.first()
+    DerivationBuild.objects.filter(pk=member.derivation_build_id).update(status="Building")
+    run_pass()
+    assert waiting_since(held) is None
 
 
 def test_an_old_cluster_reserves_idle_workers_first():
@@ -67,7 +111,7 @@ def test_an_old_cluster_reserves_idle_workers_first():
 
 
 def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
-    cluster_aged(120)
+    cluster = cluster_aged(120)
     busy_workers(2)
     run_pass()
     reservation = active_reservation()
@@ -75,20 +119,31 @@ def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
     BuildFactory()  # a single job that would fit
     assert request_job(seat.worker_id, "build") is None
     assert IdleSlot.objects.filter(worker_id=seat.worker_id, kind="build").exists()
-    ClusterReservation.objects.filter(pk=reservation.pk).update(released_at=timezone.now())
+    abort_cluster(cluster.pk, "no longer wanted")  # the cluster leaves the queue
+    assert run_pass().reservation == "released: the cluster left the queue"
     assert request_job(seat.worker_id, "build") is not None
 
 
 def test_only_one_cluster_holds_a_reservation():
-    first, second = cluster_aged(300), cluster_aged(200)
-    busy_workers(4)
-    run_pass()
+    first, second = cluster_aged(300), cluster_aged(200, member=EvalMemberFactory)
+    workers = busy_workers(4)
+    assert run_pass().reservation == "reserved"  # the first only, though both are overdue
     assert active_reservation().cluster_job_id == first.pk
     [book_second] = [c for c in startable_clusters() if c.id == second.pk]
     placement = target(book_second, timezone.now())
     assert placement is not None
-    assert reserve(placement, timezone.now()) is None
+    assert reserve(placement) is None  # refused: the first holds one
     assert ClusterReservation.objects.count() == 1
+    # The second (evaluations) plans over the workers left unreserved once they are idle.
+    reserved = set(active_reservation().seats.values_list("worker_id", flat=True))
+    free = [w for w in workers if w.pk not in reserved]
+    now = timezone.now()
+    for w in workers:  # every worker idle: only the unreserved ones are the second's to take
+        IdleSlot.objects.create(worker=w, kind="eval", recorded_at=now)
+    assert run_pass().claimed == [second.pk]
+    attempt = ClusterAttempt.objects.get(cluster_job=second)
+    assert set(attempt.dispatched_jobs.values_list("worker_id", flat=True)) == {w.pk for w in free}
+    assert active_reservation().cluster_job_id == first.pk
 
 
 def test_a_disconnected_seat_drops_the_reservation_and_the_next_pass_reserves_again():
@@ -99,11 +154,39 @@ def test_a_disconnected_seat_drops_the_reservation_and_the_next_pass_reserves_ag
     gone = reservation.seats.first().worker
     gone.channel_name = None
     gone.save()
+    assert run_pass().reservation == "released: a seat's worker disconnected"
+    assert active_reservation() is None
     assert run_pass().reservation == "reserved"
     reservation.refresh_from_db()
     assert reservation.release_reason == "a seat's worker disconnected"
     again = active_reservation()
     assert gone.pk not in set(again.seats.values_list("worker_id", flat=True))
+
+
+def test_a_deleted_cluster_drops_its_reservation():
+    cluster = cluster_aged(120)
+    busy_workers(2)
+    run_pass()
+    seat = active_reservation().seats.first()
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM cluster_job WHERE id = %s", [cluster.pk])
+    assert active_reservation() is None
+    assert not ClusterReservation.objects.exists()
+    BuildFactory()
+    assert request_job(seat.worker_id, "build") is not None
+    assert run_pass().reservation is None
+
+
+def test_a_reservation_whose_members_changed_is_released():
+    cluster = cluster_aged(120, roles=("server", "client", "client"))
+    busy_workers(3)
+    run_pass()
+    # Evaluation garbage collection, or an operator, removes a member's job.
+    DerivationBuild.objects.filter(pk=cluster.members.last().derivation_build_id).delete()
+    assert run_pass().reservation == "released: the cluster's members changed"
+    assert active_reservation() is None
+    assert run_pass().reservation == "reserved"  # the next pass, on its members now
+    assert active_reservation().seats.count() == 2
 
 
 def test_a_cluster_leaving_the_queue_drops_its_reservation():
@@ -116,13 +199,40 @@ def test_a_cluster_leaving_the_queue_drops_its_reservation():
     assert reservation.release_reason == "the cluster left the queue"
 
 
-def test_a_reservation_times_out(settings):
+def test_a_timed_out_reservation_frees_its_seats_for_single_jobs():
     cluster_aged(120)
     busy_workers(2)
     run_pass()
+    seats = list(active_reservation().seats.values_list("worker_id", flat=True))
+    ClusterReservation.objects.update(created_at=timezone.now() - timedelta(seconds=301))
+    # The pass that releases it does not reserve again, on these seats or any.
+    assert run_pass().reservation == "released: timed out"
+    assert ClusterReservation.objects.get().release_reason == "timed out"
+    assert active_reservation() is None
+    # Before any new reservation, the freed seats take single jobs.
+    for worker_id in seats:
+        BuildFactory()
+        assert request_job(worker_id, "build") is not None
+
+
+def test_after_a_timeout_other_clusters_reserve_first_and_the_clock_starts_again():
+    first, second = cluster_aged(600), cluster_aged(120)
+    busy_workers(2)
+    run_pass()
+    ClusterReservation.objects.update(created_at=timezone.now() - timedelta(seconds=301))
+    released = timezone.now()
+    run_pass()
+    assert waiting_since(first) >= released
+    assert run_pass().reservation == "reserved"
+    assert active_reservation().cluster_job_id == second.pk
     ClusterReservation.objects.update(created_at=timezone.now() - timedelta(seconds=301))
     run_pass()
-    assert ClusterReservation.objects.order_by("created_at").first().release_reason == ("timed out")
+    assert run_pass().reservation is None  # both clocks restarted: nothing is overdue
+    ClusterJob.objects.filter(pk=first.pk).update(
+        waiting_since=timezone.now() - timedelta(seconds=61)
+    )
+    assert run_pass().reservation == "reserved"
+    assert active_reservation().cluster_job_id == first.pk
 
 
 def test_a_reservation_commits_once_every_seat_is_idle():
@@ -160,3 +270,22 @@ def test_other_clusters_plan_over_the_unreserved_idle_workers():
     run_pass()
     assert not ClusterAttempt.objects.filter(cluster_job=young).exists()
     assert old.pk == active_reservation().cluster_job_id
+    # An idle worker outside the reservation is the young cluster's, while the seats stay held.
+    [free] = idle_workers(1, kinds=("eval",))
+    assert run_pass().claimed == [young.pk]
+    attempt = ClusterAttempt.objects.get(cluster_job=young)
+    assert list(attempt.dispatched_jobs.values_list("worker_id", flat=True)) == [free.pk]
+    assert old.pk == active_reservation().cluster_job_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_clocks_skip_a_row_another_transaction_holds():
+    held, free = cluster_aged(0), cluster_aged(0)
+    ClusterJob.objects.update(waiting_since=None)
+    with rows_locked(ClusterJob.objects.filter(pk=held.pk)):
+        began = time.monotonic()
+        note_waiting([held.pk, free.pk], timezone.now())
+        assert time.monotonic() - began < 1  # did not wait for the holder
+        assert waiting_since(held) is None and waiting_since(free) is not None
+    note_waiting([held.pk, free.pk], timezone.now())  # the next pass catches up
+    assert waiting_since(held) is not None

@@ -1,16 +1,17 @@
 """The hourly retention pass: finished clusters past retentionDays go, memberless finished
 ones go at once, active ones (or any with an open attempt) never do."""
 
-import threading
 import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
 from bench import retention as bench
 from clusters import retention
+from clusters.abort import abort_cluster
+from clusters.dispatch import run_pass
 from clusters.models import (
     CLUSTER_ACTIVE,
     CLUSTER_TERMINAL,
@@ -21,7 +22,7 @@ from clusters.models import (
 )
 from clusters.retention import run_retention
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome, JobKind
-from tests.concurrency import race
+from tests.concurrency import race, rows_locked
 from tests.factories import ClusterFactory, EvalMemberFactory, WorkerFactory
 
 pytestmark = pytest.mark.django_db
@@ -151,25 +152,21 @@ def test_passes_at_once_delete_each_cluster_exactly_once(days, advisory_lock, mo
 @pytest.mark.django_db(transaction=True)
 def test_a_cluster_row_locked_elsewhere_is_skipped_not_waited_on(days):
     held, free = (cluster(ClusterStatus.COMPLETED, days + 1) for _ in range(2))
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            ClusterJob.objects.select_for_update().get(pk=held.pk)
-            locked.set()
-            release.wait(30)
-        connection.close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert locked.wait(30)
+    with rows_locked(ClusterJob.objects.filter(pk=held.pk)):
         assert race(run_retention) == [1]
-    finally:
-        release.set()
-        holder.join(30)
     assert remaining(held, free) == {held.pk}
     assert run_retention() == 1
+
+
+def test_only_the_status_write_moves_a_finished_clusters_finish_time(memory_layer):
+    job = cluster(ClusterStatus.QUEUED, attempt=None)
+    run_pass()  # no workers: it waits, and its aging clock starts
+    assert ClusterJob.objects.get(pk=job.pk).waiting_since is not None
+    abort_cluster(job.pk, "not wanted")
+    finished = ClusterJob.objects.get(pk=job.pk).updated_at
+    run_pass()  # it stopped waiting: the pass clears its clock, on a finished row
+    row = ClusterJob.objects.get(pk=job.pk)
+    assert row.waiting_since is None and row.updated_at == finished
 
 
 def test_at_scale_the_pass_deletes_exactly_the_finished_clusters_past_the_cutoff(days):
@@ -179,15 +176,16 @@ def test_at_scale_the_pass_deletes_exactly_the_finished_clusters_past_the_cutoff
     began = time.perf_counter()
     deleted = run_retention()
     print(f"\nretention pass: {deleted} clusters in {time.perf_counter() - began:.2f} s")
-    assert deleted == bench.FINISHED
+    assert deleted == bench.DELETED == bench.FINISHED + bench.YOUNG_GONE
     assert ClusterJob.objects.filter(status__in=CLUSTER_ACTIVE).count() == bench.ACTIVE
     kept = ClusterJob.objects.filter(status__in=CLUSTER_TERMINAL)
     assert kept.count() == kept.filter(updated_at=now).count() == bench.YOUNG
     assert ClusterMember.objects.count() == bench.ACTIVE + bench.YOUNG
-    assert DispatchedJob.objects.count() == bench.FINISHED // 100 + bench.ACTIVE + bench.YOUNG
-    assert (
-        DispatchedJob.objects.filter(cluster_attempt__isnull=True).count() == bench.FINISHED // 100
-    )
+    assert ClusterAttempt.objects.count() == bench.ACTIVE + bench.YOUNG
+    # One row per attempt, all kept as telemetry; those of the deleted clusters' attempts
+    # lost their attempt.
+    assert DispatchedJob.objects.count() == bench.DELETED + bench.ACTIVE + bench.YOUNG
+    assert DispatchedJob.objects.filter(cluster_attempt__isnull=True).count() == bench.DELETED
 
 
 def test_the_celery_task_runs_the_pass(days):
