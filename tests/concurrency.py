@@ -2,6 +2,7 @@
 
 import threading
 
+import psycopg
 from django.db import connection
 
 
@@ -29,3 +30,9 @@ def race(*calls, timeout=30):
     if errors:
         raise errors[0]
     return results
+
+
+def frozen_connection() -> psycopg.Connection:
+    """A connection of its own, outside Django, to hold locks for as long as a test likes."""
+    s = connection.settings_dict
+    return psycopg.connect(dbname=s["NAME"], user=s["USER"], host=s["HOST"], port=s["PORT"] or 5432)

@@ -5,11 +5,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from clusters.claim import ClusterClaim, claim_cluster, start_cluster_attempt
+from clusters.claim import ClusterClaim, claim_cluster
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
 from clusters.recovery import recover
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob, EvaluationStatus
+from tests.clusterflow import accept_every_member
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 
@@ -37,7 +38,7 @@ def claimed(cluster_kwargs=None, workers=None, age=0.0, start=False):
     )
     assert claim_cluster(claim)
     if start:
-        assert start_cluster_attempt(claim.attempt_id)
+        assert accept_every_member(claim.attempt_id)[-1]
     return cluster, ClusterAttempt.objects.get(pk=claim.attempt_id)
 
 
