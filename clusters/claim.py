@@ -1,11 +1,14 @@
-"""The spec's Claim and Close: every cluster write that must be one transaction.
+"""The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
+(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.recovery).
 
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
-first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim locks
-its cluster first, but only to insert a new attempt, which conflicts with no existing one
-(ON CONFLICT DO NOTHING returns at once), and claims its members in job-key order. A batch
-of claims (claim_clusters) takes each step for all its clusters at once, in the same order:
-the seats by (worker, kind), the clusters by id, the members by job key, then the builds.
+first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
+takes its seats first, in (worker, kind) order (claims of different clusters share seats,
+never member jobs), then locks its cluster, but only to insert a new attempt, which conflicts
+with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
+job-key order. A batch of claims (claim_clusters) takes each step for all its clusters at
+once, in the same order: the seats by (worker, kind), the clusters by id, the members by job
+key, then the builds.
 """
 
 import json
@@ -341,15 +344,28 @@ def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
         )
 
 
+# A claim's seats, locked in (worker, kind) order and then deleted: two claims whose seats
+# overlap, listed in any order, queue on the first seat they share instead of each holding
+# one the other waits for. (Without the ORDER BY the lock order is the plan's, which for a
+# fleet's idle_slot is an index probe per seat in the order the claim lists them.)
+TAKE_IDLE_SEATS_SQL = """
+WITH live AS MATERIALIZED (
+    SELECT s.worker_id, s.kind FROM idle_slot s
+    JOIN unnest(%s::bigint[], %s::text[]) AS t(worker, kind)
+      ON s.worker_id = t.worker AND s.kind = t.kind
+    WHERE s.recorded_at >= %s
+    ORDER BY s.worker_id, s.kind
+    FOR UPDATE OF s
+)
+DELETE FROM idle_slot s USING live WHERE s.worker_id = live.worker_id AND s.kind = live.kind
+"""
+
+
 def _take_idle_seats(claim: ClusterClaim) -> bool:
     workers = [w for w, _ in claim.idle_seats]
     kinds = [k for _, k in claim.idle_seats]
     with connection.cursor() as cursor:
-        cursor.execute(
-            "DELETE FROM idle_slot s USING unnest(%s::bigint[], %s::text[]) AS t(worker, kind)"
-            " WHERE s.worker_id = t.worker AND s.kind = t.kind AND s.recorded_at >= %s",
-            [workers, kinds, claim.idle_since],
-        )
+        cursor.execute(TAKE_IDLE_SEATS_SQL, [workers, kinds, claim.idle_since])
         return cursor.rowcount == len(claim.idle_seats)
 
 
