@@ -566,23 +566,51 @@ def test_a_batch_holds_each_member_to_its_own_start_condition():
     assert ClusterAttempt.objects.get().pk == claims[3].attempt_id
 
 
+def assert_claims_consistent(claims, won):
+    """Each cluster won by one claim at most, whole or not at all; each seat taken by one
+    winner at most, and gone exactly when one took it."""
+    winners = [c for c, w in zip(claims, won, strict=True) if w]
+    for cluster_id in {c.cluster_id for c in claims}:
+        mine = [c for c in winners if c.cluster_id == cluster_id]
+        assert len(mine) <= 1, cluster_id
+        assert_whole_or_nothing(ClusterJob.objects.get(pk=cluster_id))
+        open_attempt = ClusterAttempt.objects.filter(
+            cluster_job_id=cluster_id, finished_at__isnull=True
+        )
+        assert list(open_attempt.values_list("pk", flat=True)) == [c.attempt_id for c in mine]
+    taken = [seat for c in winners for seat in c.idle_seats]
+    assert len(taken) == len(set(taken))
+    for seat in {seat for c in claims for seat in c.idle_seats}:
+        left = IdleSlot.objects.filter(worker_id=seat[0], kind=seat[1]).exists()
+        assert left == (seat not in taken), seat
+
+
+RIVALS = {
+    "claim_clusters": claim_clusters,
+    "claim_cluster": lambda claims: [claim_cluster(c) for c in claims],
+}
+
+
 @pytest.mark.django_db(transaction=True)
-def test_two_batches_racing_over_the_same_clusters_never_double_claim():
-    workers = WorkerFactory.create_batch(16)
-    wins = {"a": 0, "b": 0}
-    for _ in range(TRIALS // 4):
-        clusters = [make_cluster() for _ in range(4)]
-        a = [claim_for(c, workers[2 * i : 2 * i + 2]) for i, c in enumerate(clusters)]
-        b = [
-            claim_for(c, workers[8 + 2 * i : 10 + 2 * i], reverse=True)
-            for i, c in enumerate(clusters)
-        ][::-1]
-        won_a, won_b = race(lambda a=a: claim_clusters(a), lambda b=b: claim_clusters(b))
-        for cluster, x, y in zip(clusters, won_a, won_b[::-1], strict=True):
-            assert x != y, cluster.pk
-            wins["a" if x else "b"] += 1
-            assert_whole_or_nothing(cluster)
-            assert open_rows(cluster).count() == 2
+@pytest.mark.parametrize("rival", RIVALS)
+def test_a_batch_racing_a_rival_over_the_same_clusters_and_seats_never_double_claims(rival):
+    """The batch claims x on seats p and y on seats q. The rival, another batch, claims y on
+    p and x on q, so that every cluster and every seat is contested, in the other order; or
+    claim_cluster claims y on p."""
+    workers = WorkerFactory.create_batch(4)
+    p, q = workers[:2], workers[2:]
+    wins = {"batch": 0, "rival": 0}
+    for _ in range(TRIALS):
+        since = timezone.now() - timedelta(seconds=25)
+        x, y = make_cluster(), make_cluster()
+        batch = [seated_claim_for(x, p, since), seated_claim_for(y, q, since)]
+        rivals = [seated_claim_for(y, p, since)]
+        if rival == "claim_clusters":
+            rivals.append(seated_claim_for(x, q, since))
+        won, won_rival = race(lambda c=batch: claim_clusters(c), lambda c=rivals: RIVALS[rival](c))
+        assert_claims_consistent(batch + rivals, won + won_rival)
+        wins["batch"] += any(won)
+        wins["rival"] += any(won_rival)
     assert all(wins.values()), wins
 
 
@@ -590,20 +618,22 @@ def test_two_batches_racing_over_the_same_clusters_never_double_claim():
 def test_a_single_assignment_racing_a_batch_costs_only_its_own_cluster():
     workers = WorkerFactory.create_batch(7)
     wins = {"single": 0, "cluster": 0}
-    for i in range(TRIALS // 2):
+    for i in range(TRIALS):
+        since = timezone.now() - timedelta(seconds=25)
         clusters = [make_cluster() for _ in range(3)]
         member = clusters[1].members.get(role="server" if i % 2 else "client")
         gate = ClaimGate(member.kind, member.evaluation_id or member.derivation_build_id)
         single = Assignment(gate, workers[6].pk, clusters[1].project_id)
-        claims = [claim_for(c, workers[2 * j : 2 * j + 2]) for j, c in enumerate(clusters)]
+        claims = [
+            seated_claim_for(c, workers[2 * j : 2 * j + 2], since) for j, c in enumerate(clusters)
+        ]
         single_won, batch = race(
             lambda s=single: claim_assignment(s), lambda c=claims: claim_clusters(c)
         )
         assert batch[0] and batch[2]  # never dragged down by the middle one
         assert single_won != batch[1]
         wins["single" if single_won else "cluster"] += 1
-        for cluster in clusters:
-            assert_whole_or_nothing(cluster)
+        assert_claims_consistent(claims, batch)
         assert open_rows(clusters[1]).filter(job_id=member.job_key).count() == 1
     assert all(wins.values()), wins
 
