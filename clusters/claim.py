@@ -1,11 +1,14 @@
-"""The spec's Claim and Close: every cluster write that must be one transaction.
+"""The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
+(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.recovery).
 
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
-first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim locks
-its cluster first, but only to insert a new attempt, which conflicts with no existing one
-(ON CONFLICT DO NOTHING returns at once), and claims its members in job-key order. A batch
-of claims (claim_clusters) takes each step for all its clusters at once, in the same order:
-the seats by (worker, kind), the clusters by id, the members by job key, then the builds.
+first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
+takes its seats first, in (worker, kind) order (claims of different clusters share seats,
+never member jobs), then locks its cluster, but only to insert a new attempt, which conflicts
+with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
+job-key order. A batch of claims (claim_clusters) takes each step for all its clusters at
+once, in the same order: the seats by (worker, kind), the clusters by id, the members by job
+key, then the builds.
 """
 
 import json
@@ -342,47 +345,83 @@ def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
         )
 
 
+# A claim's seats, locked in (worker, kind) order and then deleted: two claims whose seats
+# overlap, listed in any order, queue on the first seat they share instead of each holding
+# one the other waits for. (Without the ORDER BY the lock order is the plan's, which for a
+# fleet's idle_slot is an index probe per seat in the order the claim lists them.)
+TAKE_IDLE_SEATS_SQL = """
+WITH live AS MATERIALIZED (
+    SELECT s.worker_id, s.kind FROM idle_slot s
+    JOIN unnest(%s::bigint[], %s::text[]) AS t(worker, kind)
+      ON s.worker_id = t.worker AND s.kind = t.kind
+    WHERE s.recorded_at >= %s
+    ORDER BY s.worker_id, s.kind
+    FOR UPDATE OF s
+)
+DELETE FROM idle_slot s USING live WHERE s.worker_id = live.worker_id AND s.kind = live.kind
+"""
+
+
 def _take_idle_seats(claim: ClusterClaim) -> bool:
     workers = [w for w, _ in claim.idle_seats]
     kinds = [k for _, k in claim.idle_seats]
     with connection.cursor() as cursor:
-        cursor.execute(
-            "DELETE FROM idle_slot s USING unnest(%s::bigint[], %s::text[]) AS t(worker, kind)"
-            " WHERE s.worker_id = t.worker AND s.kind = t.kind AND s.recorded_at >= %s",
-            [workers, kinds, claim.idle_since],
-        )
+        cursor.execute(TAKE_IDLE_SEATS_SQL, [workers, kinds, claim.idle_since])
         return cursor.rowcount == len(claim.idle_seats)
 
 
-# Closing an attempt, abandoning its open member rows, setting its cluster (settling a verdict
-# sends them too: clusters.recovery).
+# The spec's Close, one statement: the attempt closes only while open (and, for a failed
+# prepare, unstarted), and only then are its open member rows abandoned and, when asked, its
+# cluster set, in the lock order above (the attempt, its rows, its cluster: the sub-statements
+# of a WITH run in no set order, so the cluster's reads the count of the abandoned rows). One
+# statement, so that settling a verdict, inside its caller's transaction, uses it as it is.
 CLOSE_ATTEMPT_SQL = """
-UPDATE cluster_attempt SET finished_at = %s, outcome = %s WHERE id = %s AND finished_at IS NULL
-"""
-ABANDON_ROWS_SQL = """
-UPDATE dispatched_job SET finished_at = %s, outcome = %s
-WHERE cluster_attempt_id = %s AND finished_at IS NULL
+WITH closed AS (
+    UPDATE cluster_attempt SET finished_at = %(now)s, outcome = %(outcome)s
+    WHERE id = %(attempt)s AND finished_at IS NULL
+      AND (started_at IS NULL OR NOT %(unstarted)s)
+    RETURNING id, cluster_job_id
+), abandoned AS (
+    UPDATE dispatched_job SET finished_at = %(now)s, outcome = %(abandoned)s
+    WHERE cluster_attempt_id = (SELECT id FROM closed) AND finished_at IS NULL
+    RETURNING 1
+), cluster AS (
+    UPDATE cluster_job SET status = %(status)s, updated_at = %(now)s
+    WHERE id = (SELECT cluster_job_id FROM closed) AND %(status)s::text IS NOT NULL
+      AND (SELECT count(*) FROM abandoned) >= 0
+)
+SELECT cluster_job_id FROM closed
 """
 SET_CLUSTER_SQL = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
 
 
-def close_attempt_rows(
-    attempt_id, outcome: str, now: datetime, *, unstarted: bool = False
+def close_cluster_attempt(
+    attempt_id,
+    outcome: str,
+    now: datetime | None = None,
+    *,
+    unstarted: bool = False,
+    cluster_status: str | None = None,
 ) -> int | None:
-    """Close an open attempt and abandon its open member rows; the cluster id, or None when
-    the attempt was not open (nothing touched)."""
+    """Close an open attempt with its outcome, abandoning every open member row with it, and
+    set its cluster to `cluster_status` if given; `unstarted` closes it only before its start.
+
+    Runs in the caller's transaction (alone, it is one statement, so still all or nothing).
+    Returns the cluster's id, or None (falsy) when the attempt was not open: a second close,
+    such as a prepare timeout racing a member's failure, touches nothing.
+    """
+    params = {
+        "attempt": attempt_id,
+        "outcome": outcome,
+        "now": now or timezone.now(),
+        "unstarted": unstarted,
+        "abandoned": DispatchedOutcome.ABANDONED.value,
+        "status": cluster_status,
+    }
     with connection.cursor() as cursor:
-        cursor.execute(
-            CLOSE_ATTEMPT_SQL.rstrip()
-            + (" AND started_at IS NULL" if unstarted else "")
-            + " RETURNING cluster_job_id",
-            [now, outcome, attempt_id],
-        )
+        cursor.execute(CLOSE_ATTEMPT_SQL, params)
         row = cursor.fetchone()
-        if row is None:
-            return None
-        cursor.execute(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
-    return row[0]
+    return None if row is None else row[0]
 
 
 def _member_jobs(attempt_id) -> tuple[list, list]:
@@ -422,79 +461,20 @@ def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None
         return cursor.rowcount == 1
 
 
-def close_cluster_attempt(attempt_id, outcome: str) -> bool:
-    """Close an open attempt with its outcome, abandoning every open member row with it.
-
-    A second close (a prepare timeout racing a member failure) returns False and touches
-    nothing.
-    """
-    with transaction.atomic(durable=True):
-        bound_lock_waits()
-        return close_attempt_rows(attempt_id, outcome, timezone.now()) is not None
-
-
-def start_cluster_attempt(attempt_id) -> bool:
-    """Mark an open, unstarted attempt started; its cluster goes Running and counts it.
-
-    Counting here, not at the claim, is what keeps a failed prepare off the retry budget.
-    """
-    now = timezone.now()
-    with transaction.atomic(durable=True):
-        bound_lock_waits()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "UPDATE cluster_attempt SET started_at = %s WHERE id = %s"
-                " AND started_at IS NULL AND finished_at IS NULL RETURNING cluster_job_id",
-                [now, attempt_id],
-            )
-            row = cursor.fetchone()
-            if row is None:
-                return False
-            cursor.execute(
-                "UPDATE cluster_job SET status = %s, attempts = attempts + 1, updated_at = %s"
-                " WHERE id = %s",
-                [ClusterStatus.RUNNING.value, now, row[0]],
-            )
-        # Member evaluations now run (builds went Building at the claim).
-        evaluations, _ = _member_jobs(attempt_id)
-        advance_evaluations(
-            evaluations, EvaluationStatus.EVALUATING_FLAKE, {EvaluationStatus.QUEUED}
-        )
-    return True
-
-
 def fail_prepare_attempt(attempt_id) -> bool:
-    """A reject, a prepare timeout or a held member's failure: close the unstarted attempt
-    PrepareFailed and hand its builds back. The cluster stays Queued (it never left it), and
-    the backoff runs from this attempt's finished_at. False if the attempt had started or
-    was closed already."""
+    """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
+    failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
+    builds back. The spec also puts a Running cluster back to Queued; a cluster goes Running
+    only when its attempt starts (ACCEPT_SQL in clusters.coordinator), so the cluster of an
+    unstarted attempt is still Queued and nothing is written to it. Failed prepares are not
+    counted (the counter moves at the start too), and the backoff runs from this attempt's
+    finished_at. False if the attempt had started or was closed already: nothing changes."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        if close_attempt_rows(
-            attempt_id, AttemptOutcome.PREPARE_FAILED, timezone.now(), unstarted=True
-        ):
+        if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED, unstarted=True):
             release_members(attempt_id)
             return True
     return False
-
-
-def resolve_cluster_attempt(attempt_id, outcome: str, *, retry: bool, finished: str) -> bool | None:
-    """Settle a decided attempt in one transaction: close it with `outcome`, then requeue its
-    cluster when `retry` holds and the budget and its members allow, else finish it as
-    `finished`. None when the attempt was closed already; otherwise whether it requeued."""
-    now = timezone.now()
-    with transaction.atomic(durable=True):
-        bound_lock_waits()
-        cluster_id = close_attempt_rows(attempt_id, outcome, now)
-        if cluster_id is None:
-            return None
-        requeued = retry and can_retry(cluster_id)
-        if requeued:
-            release_members(attempt_id)
-            set_cluster_status(cluster_id, ClusterStatus.QUEUED, now)
-        else:
-            set_cluster_status(cluster_id, finished, now)
-        return requeued
 
 
 DEAD_MEMBERS_SQL = """
@@ -508,7 +488,9 @@ WHERE m.cluster_job_id = %s
 
 def dead_member_count(cluster_id) -> int:
     """Members that can no longer start: their evaluation or build reached a final state.
-    (A deleted job deletes its member row, so it cannot be counted here; see has_members.)"""
+    A deleted job is not counted: deleting it deletes its member row (ON DELETE CASCADE), so
+    the cluster no longer has that member, and a Queued one is claimed with those it has left
+    (docs/design.md, "Readings of the spec")."""
     from gradient.jobs.models import BUILD_TERMINAL, EVALUATION_TERMINAL
 
     with connection.cursor() as cursor:

@@ -51,9 +51,10 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
 # - seats: every row of the attempt, locked to read them as last committed (not as of this
 #   statement's snapshot): of two last acceptances at once, the second sees the first.
 # - accept: the acceptance of the open member row, kept as first given.
-# - started, running, evaluating: once every row is accepted and open, start_cluster_attempt's
-#   writes: the open, unstarted attempt started, its cluster Running and counting it, the
-#   member evaluations Queued -> EvaluatingFlake (builds went Building at the claim).
+# - started, running, evaluating: the spec's start_cluster_attempt, once every row is accepted
+#   and open: the open, unstarted attempt started, its cluster Running and counting it (so a
+#   failed prepare never spends the budget), the member evaluations Queued -> EvaluatingFlake
+#   (builds went Building at the claim). There is no start apart from this statement.
 # - members: once started, each member's (role, index), numbered as
 #   clusters.tracking.role_indexes numbers them, for the roster.
 # A row per seat with its worker when this acceptance started the attempt, else one row.
@@ -106,7 +107,7 @@ LEFT JOIN (seats s JOIN worker w ON w.id = s.worker_id LEFT JOIN members m ON m.
   ON EXISTS (SELECT 1 FROM running)
 """
 
-# advance_evaluations(..., EVALUATING_FLAKE, {QUEUED}), as start_cluster_attempt moves them.
+# advance_evaluations(..., EVALUATING_FLAKE, {QUEUED}), as the start moves them.
 FLAKE_FROM = sorted(
     s.value
     for s in EVALUATION_SOURCES[EvaluationStatus.EVALUATING_FLAKE] & {EvaluationStatus.QUEUED}

@@ -18,11 +18,10 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from clusters.claim import (
-    ABANDON_ROWS_SQL,
-    CLOSE_ATTEMPT_SQL,
     RELEASED_FROM,
-    SET_CLUSTER_SQL,
     bound_lock_waits,
+    close_cluster_attempt,
+    set_cluster_status,
 )
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
@@ -248,11 +247,11 @@ RETURNING d.id
 # The verdict's input, the report included; no row for an assignment that is no member's.
 REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
 
-# Settling, in one round trip (a pipeline), in the lock order of clusters.claim (the attempt,
-# locked already, then its rows, its cluster, the member jobs): close the attempt, abandon
-# its open rows, set the cluster (close_attempt_rows and set_cluster_status), then each
-# member's guarded transition (advance_build, advance_evaluation): per job, a target and the
-# states it may be reached from.
+# Settling, in the lock order of clusters.claim (the attempt, locked already, then its rows,
+# its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, set the
+# cluster: one statement), then in one round trip (a pipeline) each member's guarded
+# transition (advance_build, advance_evaluation): per job, a target and the states it may be
+# reached from.
 MOVE_JOBS_SQL = """
 UPDATE {table} j SET status = t.status
 FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS t(id, status, sources)
@@ -374,11 +373,13 @@ def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> l
     (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs."""
     survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
+    if attempt_id is None:
+        set_cluster_status(cluster_id, CLUSTER_STATUS[verdict], now)
+    else:
+        close_cluster_attempt(
+            attempt_id, ATTEMPT_OUTCOME[verdict], now, cluster_status=CLUSTER_STATUS[verdict]
+        )
     with connection.wrap_database_errors, connection.connection.pipeline():
-        if attempt_id is not None:
-            _send(CLOSE_ATTEMPT_SQL, [now, ATTEMPT_OUTCOME[verdict], attempt_id])
-            _send(ABANDON_ROWS_SQL, [now, DispatchedOutcome.ABANDONED.value, attempt_id])
-        _send(SET_CLUSTER_SQL, [CLUSTER_STATUS[verdict], now, cluster_id])
         for kind, moves in _job_moves(verdict, members).items():
             if moves:
                 _send(MOVE_SQL[kind], [list(column) for column in zip(*moves, strict=True)])

@@ -5,6 +5,8 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
+from clusters.coordinator import accept_assignment
+from gradient.jobs.models import DispatchedJob
 from tests.factories import WorkerFactory
 from workers.groups import worker_group
 from workers.models import IdleSlot
@@ -47,3 +49,11 @@ class Inbox:
         import asyncio
 
         return await asyncio.wait_for(self.layer.receive(channel), 0.05)
+
+
+def accept_every_member(attempt_id) -> list:
+    """Each member of the attempt accepts its assignment, in row order, as its worker would
+    (coordinator.accept_assignment): the last acceptance starts the attempt. What each
+    returned: True for the one that started it."""
+    rows = DispatchedJob.objects.filter(cluster_attempt_id=attempt_id).order_by("id")
+    return [accept_assignment(r.worker_id, r.job_id) for r in rows]

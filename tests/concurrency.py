@@ -3,6 +3,7 @@
 import threading
 from contextlib import contextmanager
 
+import psycopg
 from django.db import connection, transaction
 
 
@@ -55,3 +56,9 @@ def rows_locked(queryset, timeout=30):
     finally:
         release.set()
         holder.join(timeout)
+
+
+def frozen_connection() -> psycopg.Connection:
+    """A connection of its own, outside Django, to hold locks for as long as a test likes."""
+    s = connection.settings_dict
+    return psycopg.connect(dbname=s["NAME"], user=s["USER"], host=s["HOST"], port=s["PORT"] or 5432)

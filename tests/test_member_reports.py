@@ -3,7 +3,6 @@
 import time
 from datetime import timedelta
 
-import psycopg
 import pytest
 from django.db import OperationalError, connection
 from django.utils import timezone
@@ -22,7 +21,7 @@ from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.jobs.transitions import advance_evaluation
 from tests.clusterflow import Inbox, idle_workers
-from tests.concurrency import race
+from tests.concurrency import frozen_connection, race
 from tests.factories import (
     BuildMemberFactory,
     ClusterFactory,
@@ -292,12 +291,6 @@ def test_of_simultaneous_completions_the_later_sees_the_earlier_and_decides():
             EvaluationStatus.COMPLETED,
             BuildStatus.COMPLETED,
         )
-
-
-def frozen_connection():
-    """A connection of its own, outside Django, to hold a lock for as long as a test likes."""
-    s = connection.settings_dict
-    return psycopg.connect(dbname=s["NAME"], user=s["USER"], host=s["HOST"], port=s["PORT"] or 5432)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -64,14 +64,15 @@ LAST_MEMBER_ACCEPTED = 1
 # the cluster's attempts and retry budget (4); RELEASE. In production BEGIN and COMMIT take
 # the SAVEPOINT's and RELEASE's places: 4 round trips in all.
 MEMBER_COMPLETED = 7
-# One that decides Complete: the same, and settling in one more round trip (a pipeline): the
-# attempt closed, its open rows abandoned, the cluster Completed, the builds' and the
-# evaluations' transitions (5). 5 round trips in all.
-MEMBER_COMPLETED_DECIDING = 12
+# One that decides Complete: the same, and settling: the attempt closed with its open rows
+# abandoned and the cluster Completed (clusters.claim.close_cluster_attempt, one statement),
+# then in one more round trip (a pipeline) the builds' and the evaluations' transitions (3).
+# 6 round trips in all.
+MEMBER_COMPLETED_DECIDING = 10
 # A member's JobFailed, deciding Retry: no single job's statement first (a single's failure
 # runs in the transaction the member path opens); SAVEPOINT, the report's round trip (4),
-# settling's (5), RELEASE. 4 round trips in all.
-MEMBER_FAILED_DECIDING = 11
+# settling's two (3), RELEASE. 5 round trips in all.
+MEMBER_FAILED_DECIDING = 9
 
 
 def counted(fn, *args):

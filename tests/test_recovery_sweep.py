@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from clusters.claim import ClusterClaim, claim_cluster, start_cluster_attempt
+from clusters.claim import ClusterClaim, claim_cluster
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
 from clusters.recovery import recover
 from gradient.jobs.claim import Assignment, ClaimGate
@@ -16,6 +16,7 @@ from gradient.jobs.models import (
     Evaluation,
     EvaluationStatus,
 )
+from tests.clusterflow import accept_every_member
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 
@@ -46,7 +47,7 @@ def claimed(cluster_kwargs=None, workers=None, age=0.0, start=False):
     claim = claim_of(cluster, workers or live_workers(2), age)
     assert claim_cluster(claim)
     if start:
-        assert start_cluster_attempt(claim.attempt_id)
+        assert accept_every_member(claim.attempt_id)[-1]
     return cluster, ClusterAttempt.objects.get(pk=claim.attempt_id)
 
 
