@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from clusters import planner
 from gradient.jobs.models import JobKind
+from gradient.postgresql.arrays import int_array
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,9 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
 # catches up. Clusters past the book's limit count as not waiting.
 NOTE_WAITING_SQL = """
 WITH changed AS (
-    SELECT c.id, c.id = ANY(%(waiting)s) AS waiting FROM cluster_job c
-    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s) AND c.status = 'Queued')
-       OR (c.waiting_since IS NOT NULL AND c.id <> ALL(%(waiting)s))
+    SELECT c.id, c.id = ANY(%(waiting)s::bigint[]) AS waiting FROM cluster_job c
+    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s::bigint[]) AND c.status = 'Queued')
+       OR (c.waiting_since IS NOT NULL AND c.id <> ALL(%(waiting)s::bigint[]))
     FOR NO KEY UPDATE OF c SKIP LOCKED
 )
 UPDATE cluster_job c SET waiting_since = CASE WHEN changed.waiting THEN %(now)s::timestamptz END
@@ -210,7 +211,7 @@ def note_waiting(waiting: list[int], now) -> None:
     """Start the clocks of these clusters (able to start, unplaced) where not running, and
     stop every other one: one statement, whatever the number of clusters."""
     with connection.cursor() as cursor:
-        cursor.execute(NOTE_WAITING_SQL, {"waiting": waiting, "now": now})
+        cursor.execute(NOTE_WAITING_SQL, {"waiting": int_array(waiting), "now": now})
 
 
 def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
