@@ -244,7 +244,7 @@ def file_header() -> str:
     )
 
 
-def write_section(path: Path, command: str, rows: list[dict]) -> None:
+def write_section(path: Path, command: str, rows: list[dict], load: tuple) -> None:
     section = (
         f"{SECTION}\n\n"
         "`claim_cluster` (wall time of one call) against the floor: the same rows written by one"
@@ -254,15 +254,19 @@ def write_section(path: Path, command: str, rows: list[dict]) -> None:
         " prepare their hot statements, as the floor's raw psycopg connection always did"
         ' (docs/design.md, "PostgreSQL prepares the hot statements"), the claim\'s per-member'
         " statements, prepared and sent in one pipelined round trip, have cost about as much"
-        " as the floor's one statement of CTEs over seven arrays, or less: 0.96x at 8 members"
-        " and 0.76x at 128 on a quiet machine (2026-12-01 16:51 UTC), against 1.34x to 1.56x"
-        " before. On a busy machine both medians and their ratio move with the load, and the p95s"
-        " grow far past them. Target (issue 3): within 2x of the floor at 8 members.\n\n"
+        " as the floor's one statement of CTEs over seven arrays, against 1.34x to 1.56x"
+        " before. The ratio moves from run to run, more at 128 members: in four runs on a quiet"
+        " machine (load average under 1.5) on 2026-12-01 between 16:51 and 18:34 UTC, 0.83x to"
+        " 1.12x at 8 members and 0.65x to 1.52x at 128, and the batch at 128 members took 8 to"
+        " 33 ms a cluster. On a busy"
+        " machine both medians and their ratio move with the load, and the p95s grow far past"
+        " them. Target (issue 3): within 2x of the floor at 8 members.\n\n"
         f"The batch columns time `claim_clusters`, the dispatch pass's claim, over {BATCH}"
         " such clusters in one call (one transaction, each claim winning or losing alone),"
         f" divided by {BATCH}: the cost of one cluster's claim in a pass, without seats. Each"
         " batch run is one call; batch/floor compares its median with the floor's.\n\n"
-        f"- Command: `{command}`\n- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n\n"
+        f"- Command: `{command}`\n- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n"
+        f"- Load average: {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n\n"
         + "\n".join([HEADER, *map(table_row, rows)])
         + "\n"
     )
@@ -284,9 +288,10 @@ def main() -> None:
     command = shlex.join([".venv/bin/python", "bench/claim.py", *sys.argv[1:]])
     ensure_database()
     print(f"{command}\n\n{HEADER}", flush=True)
+    load = os.getloadavg()
     rows = run(args.repeat)
     if args.write:
-        write_section(args.write, command, rows)
+        write_section(args.write, command, rows, load)
 
 
 if __name__ == "__main__":
