@@ -6,12 +6,22 @@ import environ
 import redis.exceptions
 from django.core.exceptions import ImproperlyConfigured
 
+from gradient.secret_key import checkout_secret_key
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
-SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="dev-only-insecure-key-change-me")
+# Unset (development, the tests), each checkout makes its own key in run/ (gradient.secret_key).
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="")
+if not SECRET_KEY:
+    try:
+        SECRET_KEY = checkout_secret_key(BASE_DIR / "run" / "secret_key")
+    except OSError as e:
+        raise ImproperlyConfigured(
+            f"DJANGO_SECRET_KEY is unset and no key could be kept: {e}"
+        ) from e
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
