@@ -34,3 +34,28 @@ def _connections_close_after_each_use():
     connections.settings["default"]["CONN_MAX_AGE"] = 0
     for conn in connections.all(initialized_only=True):
         conn.settings_dict["CONN_MAX_AGE"] = 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_pools_close_their_connections(django_db_setup):
+    """Before the test database is dropped, every thread of the sessions' executors closes
+    its connection (one left open by a late frame would keep the database from being dropped
+    and leave it behind)."""
+    yield
+    import threading
+
+    from django.db import connections
+
+    from workers import consumer
+
+    for pool in (consumer._frames, consumer._reports, consumer._handshakes):
+        # As many tasks as the pool has threads, each held at a barrier until all run: every
+        # thread (started now if it was not yet) takes exactly one.
+        barrier = threading.Barrier(pool._max_workers)
+
+        def close(barrier=barrier):
+            barrier.wait(timeout=30)
+            connections.close_all()
+
+        for future in [pool.submit(close) for _ in range(pool._max_workers)]:
+            future.result(timeout=60)
