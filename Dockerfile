@@ -1,4 +1,5 @@
 # The web image; compose.yaml runs the Celery worker and beat from it too.
+# uv is pinned, so every build installs from uv.lock with the same tool.
 FROM python:3.12-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -7,7 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     UV_PYTHON_DOWNLOADS=never \
     UV_COMPILE_BYTECODE=1
 
-RUN pip install --no-cache-dir uv \
+RUN pip install --no-cache-dir uv==0.13.9 \
     && useradd --system --create-home --uid 10001 gradient
 
 WORKDIR /app
