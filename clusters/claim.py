@@ -450,15 +450,9 @@ def release_members(attempt_id) -> None:
     advance_evaluations(evaluations, EvaluationStatus.QUEUED, RELEASED_FROM[JobKind.EVAL])
 
 
-def set_cluster_status(cluster_id, status: str, now: datetime, *, only_from=None) -> bool:
-    sql = SET_CLUSTER_SQL
-    params = [status, now, cluster_id]
-    if only_from:
-        sql += " AND status = ANY(%s)"
-        params.append(list(only_from))
+def set_cluster_status(cluster_id, status: str, now: datetime) -> None:
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.rowcount == 1
+        cursor.execute(SET_CLUSTER_SQL, [status, now, cluster_id])
 
 
 def fail_prepare_attempt(attempt_id) -> bool:
@@ -475,38 +469,3 @@ def fail_prepare_attempt(attempt_id) -> bool:
             release_members(attempt_id)
             return True
     return False
-
-
-DEAD_MEMBERS_SQL = """
-SELECT count(*) FROM cluster_member m
-LEFT JOIN evaluation e ON e.id = m.evaluation_id
-LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-WHERE m.cluster_job_id = %s
-  AND (e.status = ANY(%s) OR b.status = ANY(%s))
-"""
-
-
-def dead_member_count(cluster_id) -> int:
-    """Members that can no longer start: their evaluation or build reached a final state.
-    A deleted job is not counted: deleting it deletes its member row (ON DELETE CASCADE), so
-    the cluster no longer has that member, and a Queued one is claimed with those it has left
-    (docs/design.md, "Readings of the spec")."""
-    from gradient.jobs.models import BUILD_TERMINAL, EVALUATION_TERMINAL
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            DEAD_MEMBERS_SQL,
-            [cluster_id, sorted(EVALUATION_TERMINAL), sorted(BUILD_TERMINAL)],
-        )
-        return cursor.fetchone()[0]
-
-
-def can_retry(cluster_id) -> bool:
-    """Budget left (retries so far = started attempts - 1) and every member can still start."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT attempts, retry_budget FROM cluster_job WHERE id = %s FOR UPDATE",
-            [cluster_id],
-        )
-        attempts, budget = cursor.fetchone()
-    return attempts - 1 < budget and dead_member_count(cluster_id) == 0

@@ -329,11 +329,14 @@ def _send(sql: str, params):
     return cursor
 
 
+# The job statuses the members' SQL reads as dead (final) and as aborted.
+DEAD_STATUSES = sorted(EVALUATION_TERMINAL | BUILD_TERMINAL)
+ABORTED_STATUSES = sorted({EvaluationStatus.ABORTED, BuildStatus.ABORTED})
+
+
 def _statuses(**params) -> dict:
-    """The job statuses the members' SQL reads as dead and as aborted, with `params`."""
-    dead = EVALUATION_TERMINAL | BUILD_TERMINAL
-    aborted = {EvaluationStatus.ABORTED, BuildStatus.ABORTED}
-    return {"dead": sorted(dead), "aborted": sorted(aborted), **params}
+    """`params` with the statuses the members' SQL reads."""
+    return {"dead": DEAD_STATUSES, "aborted": ABORTED_STATUSES, **params}
 
 
 # Where a settlement sends a member's job: (build status, evaluation status).
