@@ -44,8 +44,14 @@ from workers.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Over daphne, a frame past its (and our) 1 MiB limit never reaches the consumer: autobahn
+# closes with 1009 itself. The consumer's own check is for any other server.
 CLOSE_TOO_BIG = 1009
-CLOSE_ERROR = 1011
+# A frame's handling failed: the session ends and the worker reconnects. Not 1011: autobahn
+# lets a server's application send only 1000 or 3000-4999, and refused 1011 by raising, so
+# the session stayed open with its failed lane dropping every later frame (a member's
+# JobCompleted among them: its attempt was never decided). 4500, as HTTP's 500.
+CLOSE_ERROR = 4500
 CLOSE_REVOKED = 4403
 CLOSE_SILENT = 4408
 CLOSE_REPLACED = 4409
