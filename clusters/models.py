@@ -42,17 +42,25 @@ class ClusterJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # The aging reservation's clock: since when the dispatch pass has seen the cluster able to
-    # start and unplaced (clusters.tracking.note_waiting); NULL otherwise.
+    # start and unplaced (clusters.tracking.note_waiting); NULL otherwise. Such a cluster's
+    # members are at the head of the queue (workers.head).
     waiting_since = models.DateTimeField(null=True, blank=True, editable=False)
+    # Placed before other clusters: set at submission when any member job is prioritized.
+    prioritized = models.BooleanField(default=False, db_default=False)
+    # When the dispatch pass first offered its members to the idle workers that could seat
+    # them; it is placed once they answered, or GRADIENT_SCORE_WAIT_MS after (clusters.asking).
+    offered_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "cluster_job"
         indexes = [
             # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
-            # The pass clears the clocks of clusters no longer waiting: few rows, found here.
+            # The members' part of the head of the queue walks the waiting clusters in the
+            # planner's order; the pass clears the clocks of clusters no longer waiting, few
+            # rows, found here too.
             models.Index(
-                fields=["id"],
+                fields=["-prioritized", "created_at", "id"],
                 condition=Q(waiting_since__isnull=False),
                 name="idx-cluster_job-waiting",
             ),
@@ -99,6 +107,12 @@ class ClusterMember(models.Model):
                 fields=["derivation_build"],
                 condition=Q(derivation_build__isnull=False),
                 name="idx-cluster_member-derivation_build",
+            ),
+        ]
+        indexes = [
+            # A pinned member is offered to its pin's worker whatever its place in the head.
+            models.Index(
+                fields=["pin"], condition=Q(pin__isnull=False), name="idx-cluster_member-pin"
             ),
         ]
 

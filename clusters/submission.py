@@ -106,7 +106,8 @@ def submit_cluster(
 ) -> tuple[ClusterJob, list[ClusterMember]]:
     """Creates the member jobs (Queued), the cluster job (Queued) and its members in one
     transaction, and returns the members in the order given. Everything is checked before the
-    first write, so a refusal leaves nothing behind. `prioritized` marks every member job."""
+    first write, so a refusal leaves nothing behind. `prioritized` marks every member job,
+    and a cluster with a prioritized member is placed first."""
     check_members(members)
     if retry_budget < 0:
         raise SubmissionError(f"retry budget must not be negative, not {retry_budget}")
@@ -123,7 +124,10 @@ def submit_cluster(
         specs = [replace(m.job, prioritized=m.job.prioritized or prioritized) for m in members]
         jobs = create_jobs(found, specs)
         cluster = ClusterJob.objects.create(
-            project=found, same_zone=same_zone, retry_budget=retry_budget
+            project=found,
+            same_zone=same_zone,
+            retry_budget=retry_budget,
+            prioritized=any(spec.prioritized for spec in specs),
         )
         # Inserted in SPEC order, so ids (and with them each role's indexes) follow it.
         rows = ClusterMember.objects.bulk_create(

@@ -174,6 +174,10 @@ GRADIENT = {
     "IDLE_SLOT_TTL_SECS": env.float("GRADIENT_IDLE_SLOT_TTL_SECS", 25),
     "WORKER_TIMEOUT_SECS": env.float("GRADIENT_WORKER_TIMEOUT_SECS", 120),
     "RETENTION_DAYS": env.int("GRADIENT_RETENTION_DAYS", 30),
+    # The head of the queue (protocol.md): jobs of a kind offered and chosen among, per part.
+    "OFFER_WINDOW": env.int("GRADIENT_OFFER_WINDOW", 32),
+    # How long the pass waits for an idle seat's scores of a cluster it has just offered.
+    "SCORE_WAIT_MS": env.int("GRADIENT_SCORE_WAIT_MS", 1000),
     # Bounds how long a claim or close waits on a row lock before it gives up (and loses).
     "CLAIM_LOCK_TIMEOUT_MS": env.int("GRADIENT_CLAIM_LOCK_TIMEOUT_MS", 5_000),
     # Failed assignments after which a requeueing failure becomes permanent (per job).
@@ -182,6 +186,11 @@ GRADIENT = {
     "WORKER_RATE_PER_SEC": env.float("GRADIENT_WORKER_RATE_PER_SEC", 50),
     "WORKER_RATE_BURST": env.int("GRADIENT_WORKER_RATE_BURST", 200),
 }
+
+if GRADIENT["OFFER_WINDOW"] < 1:
+    raise ImproperlyConfigured("GRADIENT_OFFER_WINDOW must be at least 1")
+if GRADIENT["SCORE_WAIT_MS"] < 0:
+    raise ImproperlyConfigured("GRADIENT_SCORE_WAIT_MS must not be negative")
 
 # GRADIENT_LOG_FORMAT=json: one JSON object per line, with the cluster, attempt and worker ids
 # a record carries (gradient/logs.py); plain: the usual text line.
@@ -213,5 +222,4 @@ CELERY_BEAT_SCHEDULE = {
     "cluster-recovery": {"task": "clusters.recover", "schedule": 30.0},
     "cluster-retention": {"task": "clusters.retention", "schedule": 3600.0},
     "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
-    "job-score-pruning": {"task": "workers.prune_scores", "schedule": 60.0},
 }

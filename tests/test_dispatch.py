@@ -52,9 +52,8 @@ def test_a_queued_cluster_whose_members_can_start_is_in_the_book():
 def test_prioritized_clusters_come_first_then_the_oldest():
     old, new = two_member_cluster(), two_member_cluster()
     urgent = two_member_cluster()
-    evaluation = urgent.members.get(role="server").evaluation
-    evaluation.prioritized = True
-    evaluation.save()
+    urgent.prioritized = True
+    urgent.save()
     assert [c.id for c in startable_clusters()] == [urgent.pk, old.pk, new.pk]
 
 

@@ -78,6 +78,12 @@ class JobFields(models.Model):
     prioritized = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # A member of a Queued or Running cluster: kept by triggers on cluster_member and
+    # cluster_job (clusters migration 0005), whoever writes them. Such a job is never a single.
+    active_member = models.BooleanField(default=False, db_default=False, editable=False)
+    # Times a younger single job of its kind was given out while this one was first in line:
+    # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
+    passed_over = models.PositiveSmallIntegerField(default=0, db_default=0, editable=False)
 
     class Meta:
         abstract = True
@@ -91,14 +97,14 @@ class Evaluation(JobFields):
     class Meta:
         db_table = "evaluation"
         indexes = [
-            # The assignment pass and the offers: the evaluations that can start (Queued, or
-            # Fetching for the follow-up of a split one), prioritized first, oldest first.
-            # Finished evaluations pile up until garbage collection: without the index, every
-            # RequestJob for an eval slot would scan them all.
+            # The head of the queue (workers.head): the single evaluations that can start
+            # (Queued, or Fetching for the follow-up of a split one) in the single path's
+            # order, read up to the window. Members and finished evaluations are left out, so
+            # the read walks no further than the jobs a worker could take.
             models.Index(
                 fields=["-prioritized", "created_at"],
-                name="idx-evaluation-startable",
-                condition=Q(status__in=["Queued", "Fetching"]),
+                name="idx-evaluation-head",
+                condition=Q(status__in=["Queued", "Fetching"], active_member=False),
             )
         ]
 
@@ -122,10 +128,11 @@ class DerivationBuild(JobFields):
     class Meta:
         db_table = "derivation_build"
         indexes = [
+            # The head of the queue, as for evaluations.
             models.Index(
                 fields=["-prioritized", "created_at"],
-                name="idx-derivation_build-queued",
-                condition=Q(status="Queued"),
+                name="idx-derivation_build-head",
+                condition=Q(status="Queued", active_member=False),
             )
         ]
 
