@@ -2,7 +2,7 @@
 
     bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
 
-NAME is any of: claim, dispatch-pass, gang-start, pairs, throughput, storm, retention (default:
+NAME is any of: claim, dispatch-pass, gang-start, throughput, storm, retention (default:
 all, in that order). Each runs as its own process (`.venv/bin/python bench/<script>.py ...
 --write DOC`), with the command that its section then quotes; a failing one is reported and
 the rest still run. Exits non-zero when any failed. The machine should be quiet: the figures
@@ -24,7 +24,6 @@ BENCHES = {
     "claim": ["bench/claim.py"],
     "dispatch-pass": ["bench/dispatch.py", "--only", "pass"],
     "gang-start": ["bench/dispatch.py", "--only", "gang"],
-    "pairs": ["bench/pairs.py"],
     "throughput": ["bench/throughput.py"],
     "storm": ["bench/storm.py"],
     "retention": ["bench/retention.py"],

@@ -23,6 +23,7 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from clusters import planner, reservation
+from clusters.asking import Asking
 from clusters.claim import ClusterClaim, claim_clusters
 from clusters.models import AttemptOutcome
 from clusters.recovery import expire_overdue_prepares
@@ -57,6 +58,7 @@ class PassResult:
     ready: int = 0
     placed: int = 0
     claimed: list = field(default_factory=list)
+    waiting_for_scores: bool = False
     seconds: float = 0.0
     skipped: bool = False
     reservation: str | None = None
@@ -339,12 +341,18 @@ def run_pass(wait: bool = False) -> PassResult:
         if ready:
             # Other clusters plan over the unreserved idle workers.
             seen = snapshot(ready, now, reservation.reserved_workers(), stream=True)
+            asking = Asking(ready, seen.workers, now)
             try:
-                placed, claimed = _claim_all(planner.placements(seen), rows, since)
+                ready_to_claim = filter(asking.ready, planner.placements(seen))
+                placed, claimed = _claim_all(ready_to_claim, rows, since)
             finally:
                 seen.score_arrays.finish()
+                asking.finish()
             result.placed = len(placed)
             result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
+            if asking.due is not None:
+                result.waiting_for_scores = True
+                run_at(asking.due)
         claimed_now = set(result.claimed)
         result.reservation = age_reservations(ready, claimed_now, rows, since, now)
         note_waiting([c.id for c in ready if c.id not in claimed_now], now)
@@ -406,6 +414,18 @@ def wake_dispatch() -> bool:
         log.warning("could not wake the dispatch pass", exc_info=True)
         return False
     return True
+
+
+def run_at(when) -> None:
+    """Queue a pass for `when` (the clusters held for their scores are placed by then, answered
+    or not). Best effort: the periodic pass makes up for a lost one."""
+    from clusters.tasks import dispatch
+
+    try:
+        delay = max(0.0, (when - timezone.now()).total_seconds())
+        dispatch.apply_async(kwargs={"woken": True}, countdown=delay)
+    except Exception:
+        log.warning("could not queue the dispatch pass", exc_info=True)
 
 
 def clear_wake() -> None:

@@ -18,6 +18,7 @@ from django.utils import timezone
 from clusters import planner
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array
+from workers.head import PLATFORM_SQL, job_table, literals, offerable
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class MemberRow:
     project_id: int
     project: str
     substitute: bool  # a build's cache_available as seen now: its claim gate
+    paths: tuple[str, ...] = ()  # what a JobOffer of it names
 
     def planned(self) -> planner.Member:
         return planner.Member(
@@ -58,6 +60,7 @@ class StartableCluster:
     created_at: datetime
     members: tuple[MemberRow, ...]
     waiting_since: datetime | None = None
+    offered_at: datetime | None = None  # when the pass offered it to the idle seats
 
 
 def planned_cluster(cluster: StartableCluster, avoid: frozenset[int] = frozenset()):
@@ -98,9 +101,7 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
 # and every member's job startable (evaluation Queued, build Queued) with no open row
 # anywhere. A member that cannot start holds its whole cluster back.
 STARTABLE_SQL = """
-SELECT c.id, c.same_zone, c.created_at,
-       bool_or(coalesce(e.prioritized, b.prioritized)) AS prioritized,
-       c.waiting_since
+SELECT c.id, c.same_zone, c.created_at, c.prioritized, c.waiting_since, c.offered_at
 FROM cluster_job c
 JOIN cluster_member m ON m.cluster_job_id = c.id
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
@@ -116,7 +117,7 @@ HAVING bool_and(coalesce(e.status, b.status) = 'Queued')
         SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
             CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
                  ELSE 'build:' || m.derivation_build_id::text END))
-ORDER BY prioritized DESC, c.created_at ASC, c.id ASC
+ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC
 LIMIT %(limit)s
 """
 
@@ -126,7 +127,7 @@ LIMIT %(limit)s
 MEMBERS_SQL = """
 SELECT m.cluster_job_id, m.id, m.role, m.pin, m.evaluation_id, m.derivation_build_id,
        coalesce(e.architecture, b.architecture), coalesce(e.required_features, b.required_features),
-       p.id, p.name, coalesce(b.cache_available, false)
+       p.id, p.name, coalesce(b.cache_available, false), coalesce(e.paths, b.paths)
 FROM cluster_member m
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
 LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
@@ -150,6 +151,7 @@ class _Member(NamedTuple):
     project_id: int
     project: str
     cache_available: bool
+    paths: list[str]
 
     @property
     def job_key(self) -> str:
@@ -175,7 +177,7 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     for m in members:
         by_cluster.setdefault(m.cluster_job_id, []).append(m)
     out = []
-    for cluster_id, same_zone, created_at, prioritized, waiting_since in heads:
+    for cluster_id, same_zone, created_at, prioritized, waiting_since, offered_at in heads:
         rows = by_cluster.get(cluster_id, [])
         indexes = role_indexes(rows)
         out.append(
@@ -186,6 +188,7 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
                 created_at=created_at,
                 members=tuple(_member_row(m, indexes[m.job_key]) for m in rows),
                 waiting_since=waiting_since,
+                offered_at=offered_at,
             )
         )
     return out
@@ -229,4 +232,55 @@ def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
         project_id=m.project_id,
         project=m.project,
         substitute=bool(m.cache_available),
+        paths=tuple(m.paths),
     )
+
+
+# The members of one kind at the head of the queue for a worker (protocol.md): those of the
+# clusters waiting to start (note_waiting marks them) along idx-cluster_job-waiting in the
+# planner's order, up to the window; and, as a part of its own, those pinned to the worker
+# whatever their place (idx-cluster_member-pin). Columns as workers.offers.OFFERED_COLUMNS.
+MEMBER_HEAD_SQL = (
+    """
+SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, p.name AS project,
+       j.architecture, j.required_features, j.paths, true AS member
+FROM cluster_job c
+JOIN cluster_member m ON m.cluster_job_id = c.id
+JOIN {table} j ON j.id = m.{member_column}
+JOIN project p ON p.id = j.project_id
+WHERE c.waiting_since IS NOT NULL AND {seat}
+  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND j.status IN ({queued})
+  AND """
+    + PLATFORM_SQL
+    + """
+ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, m.role, m.id
+LIMIT %(window)s
+"""
+)
+ANY_SEAT = "(m.pin IS NULL OR m.pin = %(name)s)"
+PINNED_HERE = "m.pin = %(name)s"
+
+
+def member_head_parts(worker) -> list[str]:
+    """The members' parts of each kind's head this worker could seat; a member evaluation
+    always runs as one job, so a fetch-only worker has none of that kind."""
+    parts = []
+    for how in (offerable(worker, kind) for kind in JobKind.values):
+        if how is None or how.fetch_only:
+            continue
+        table, prefix = job_table(how.kind)
+        column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
+        for seat in (ANY_SEAT, PINNED_HERE):
+            parts.append(
+                MEMBER_HEAD_SQL.format(
+                    table=table,
+                    prefix=prefix,
+                    kind=how.kind,
+                    member_column=column,
+                    seat=seat,
+                    queued=literals(how.statuses[:1]),  # a member starts from Queued only
+                )
+            )
+    return parts

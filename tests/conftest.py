@@ -14,6 +14,14 @@ def raw_sql(db):
     return run
 
 
+@pytest.fixture(autouse=True)
+def _place_without_waiting_for_scores(settings):
+    """Rows stand in for the workers in most tests, and rows answer no JobOffer: the pass
+    places and the single path chooses at once (GRADIENT_SCORE_WAIT_MS=0) unless a test
+    waits for scores itself."""
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}
+
+
 @pytest.fixture
 def memory_layer(settings):
     """Channels' in-memory layer, for unit tests of one process."""

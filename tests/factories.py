@@ -87,3 +87,12 @@ def answered_scores(triples) -> None:
         )
         for worker, key, size in triples
     )
+
+
+def waiting(*members):
+    """The clusters of these members as a dispatch pass leaves them when it cannot place them
+    yet: waiting to start, their members at the head of the queue."""
+    ClusterJob.objects.filter(pk__in=[m.cluster_job_id for m in members]).update(
+        waiting_since=timezone.now()
+    )
+    return members[0] if len(members) == 1 else members

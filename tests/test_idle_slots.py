@@ -33,7 +33,7 @@ def test_a_worker_seated_since_its_request_counted_gets_no_idle_slot_of_that_kin
     (here: a build assigned meanwhile) must not leave a slot behind for the next placement."""
     worker = WorkerFactory(max_concurrent_builds=1)
     BuildFactory(project=ProjectFactory())
-    _, assign = answer_request(worker.pk, "build")
+    assign = answer_request(worker.pk, "build")
     assert assign is not None and slots(worker) == set()
     record_idle(worker.pk, "build")  # the late write of a RequestJob that saw the slot free
     record_idle(worker.pk, "eval")

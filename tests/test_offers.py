@@ -1,241 +1,199 @@
-"""JobOffer: what a worker is offered, once per job and connection (workers.connection)."""
-
-import threading
+"""JobOffer: the head of the queue offered to a worker, once per job and connection
+(workers.offers, workers.head, clusters.tracking.member_head_parts)."""
 
 import pytest
 from django.db import connection as db_connection
-from django.db import transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
-from gradient.jobs.models import Evaluation
+from gradient.jobs.models import DerivationBuild, Evaluation
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
     EvalMemberFactory,
     EvaluationFactory,
+    ProjectFactory,
     WorkerFactory,
+    answered_scores,
+    waiting,
 )
-from workers import offers
-from workers.assignment import candidates, offerable
+from workers import connection, offers
+from workers.assignment import candidates
+from workers.head import offerable
 from workers.models import JobScore
 from workers.protocol import Score
 
-
-def offered(worker, mark=None) -> list[str]:
-    offer = offers.new_offers(worker.pk, mark=mark)
-    return [] if offer is None else [job.job_id for job in offer.jobs]
+pytestmark = pytest.mark.django_db
 
 
-def answer(worker, mark, keys):
-    """The worker's JobScores for these jobs, as its session records them."""
-    offers.record_scores(
-        worker.pk, [Score(job_id=key, missing_count=1, missing_nar_size=10) for key in keys]
-    )
-    mark.answered(keys)
+def offered(worker) -> list[str]:
+    worker.refresh_from_db()
+    offer = offers.offer_head(worker, tracking_parts(worker))
+    return [] if offer is None else sorted(job.job_id for job in offer.jobs)
 
 
-@pytest.mark.django_db
-def test_both_kinds_are_offered_members_included_and_remembered():
-    worker, mark = WorkerFactory(), offers.OfferMark()
+def tracking_parts(worker):
+    from clusters.tracking import member_head_parts
+
+    return member_head_parts(worker)
+
+
+def window(settings, n):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": n}
+
+
+def by_age(model, jobs):
+    keys = model.objects.filter(pk__in=[j.pk for j in jobs]).order_by("created_at")
+    return [j.job_key for j in keys]
+
+
+def test_both_kinds_and_the_waiting_clusters_members_are_offered_once():
+    worker = WorkerFactory()
     build, evaluation = BuildFactory(), EvaluationFactory()
     member = EvalMemberFactory()
+    waiting(member)
     keys = sorted([build.job_key, evaluation.job_key, member.job_key])
-    assert sorted(offered(worker, mark)) == keys
-    assert not JobScore.objects.filter(worker=worker).exists()  # the answers write the rows
-    assert offered(worker, mark) == []  # remembered by the session until answered
+    assert offered(worker) == keys
+    rows = JobScore.objects.filter(worker=worker)
+    assert sorted(rows.values_list("job_id", flat=True)) == keys
+    assert not rows.filter(missing_nar_size__isnull=False).exists()  # offered, not scored
+    assert offered(worker) == []  # once per connection, answered or not
+    offers.record_scores(
+        worker.pk, [Score(job_id=build.job_key, missing_count=1, missing_nar_size=5)]
+    )
+    assert offered(worker) == []
 
 
-@pytest.mark.django_db
-def test_an_answered_job_is_never_offered_again_an_unanswered_one_after_a_while():
-    worker, mark = WorkerFactory(), offers.OfferMark()
-    build, evaluation = BuildFactory(), EvaluationFactory()
-    assert sorted(offered(worker, mark)) == sorted([build.job_key, evaluation.job_key])
-    answer(worker, mark, [build.job_key])
-    assert offered(worker, mark) == []
-    mark.full_read_at -= offers.FULL_READ_EVERY + 1  # a full read, too soon for the unanswered
-    assert offered(worker, mark) == []
-    mark.full_read_at -= offers.FULL_READ_EVERY + 1
-    mark.pending[evaluation.job_key] -= offers.FULL_READ_EVERY + 1
-    assert offered(worker, mark) == [evaluation.job_key]
-    assert offered(worker, mark) == []
-    mark.reset()  # new capabilities: what is unanswered goes again at once
-    assert offered(worker, mark) == [evaluation.job_key]
+def test_a_new_connection_is_offered_its_head_again():
+    worker = WorkerFactory()
+    build = BuildFactory()
+    assert offered(worker) == [build.job_key]
+    connection.attach(worker.pk, "channel-2")
+    assert offered(worker) == [build.job_key]
 
 
-@pytest.mark.django_db
+def test_members_of_a_cluster_no_pass_has_seen_waiting_are_not_offered_yet():
+    worker = WorkerFactory()
+    member = BuildMemberFactory()
+    assert offered(worker) == []
+    waiting(member)
+    assert offered(worker) == [member.job_key]
+
+
+def test_only_the_window_is_offered_oldest_first_and_the_rest_as_the_head_moves(settings):
+    window(settings, 2)
+    worker = WorkerFactory(can_eval=False)
+    jobs = by_age(DerivationBuild, BuildFactory.create_batch(5))
+    assert offered(worker) == sorted(jobs[:2])
+    DerivationBuild.objects.filter(pk=jobs[0].split(":")[1]).update(status="Building")
+    assert offered(worker) == [jobs[2]]
+    # The job that left the head is forgotten: the worker holds rows for its head alone.
+    assert sorted(
+        JobScore.objects.filter(worker=worker).values_list("job_id", flat=True)
+    ) == sorted(jobs[1:3])
+
+
+def test_a_prioritized_job_comes_first_whatever_its_age(settings):
+    window(settings, 1)
+    worker = WorkerFactory(can_build=False)
+    EvaluationFactory.create_batch(3)
+    urgent = EvaluationFactory(prioritized=True)
+    assert offered(worker) == [urgent.job_key]
+
+
+def test_the_members_part_has_a_window_of_its_own_in_the_planners_order(settings):
+    window(settings, 2)
+    worker = WorkerFactory(can_eval=False)
+    singles = by_age(DerivationBuild, BuildFactory.create_batch(3))
+    members = [BuildMemberFactory() for _ in range(3)]
+    members[2].cluster_job.prioritized = True
+    members[2].cluster_job.save()
+    waiting(*members)
+    assert offered(worker) == sorted([*singles[:2], members[2].job_key, members[0].job_key])
+
+
+def test_a_pinned_member_is_offered_to_its_pins_worker_whatever_its_place(settings):
+    window(settings, 1)
+    worker, other = WorkerFactory(), WorkerFactory()
+    first = BuildMemberFactory()
+    pinned = BuildMemberFactory(pin=worker.name)
+    waiting(first, pinned)
+    assert offered(worker) == sorted([first.job_key, pinned.job_key])
+    assert offered(other) == [first.job_key]
+
+
 def test_a_fetch_only_worker_is_offered_no_member_evaluation():
     worker = WorkerFactory(can_eval=False, can_build=False, can_fetch=True)
     single = EvaluationFactory()
-    EvalMemberFactory()
-    BuildMemberFactory()
+    waiting(EvalMemberFactory(), BuildMemberFactory())
     assert offered(worker) == [single.job_key]
 
 
-@pytest.mark.django_db
-def test_a_long_queue_is_offered_oldest_first_the_rest_at_the_next_request(monkeypatch):
-    monkeypatch.setattr(offers, "OFFER_BATCH", 2)
-    worker = WorkerFactory(can_build=False)
-    jobs = EvaluationFactory.create_batch(3)
-    by_age = [
-        e.job_key
-        for e in Evaluation.objects.filter(pk__in=[j.pk for j in jobs]).order_by("created_at")
-    ]
-    mark = offers.OfferMark()
-    assert offered(worker, mark) == by_age[:2]
-    assert offered(worker, mark) == by_age[2:]
-
-
-@pytest.mark.django_db
 def test_jobs_the_worker_cannot_run_are_not_offered():
     worker = WorkerFactory()
     BuildFactory(architecture="riscv64-linux")
     BuildFactory(required_features=["kvm"])
+    waiting(BuildMemberFactory(derivation_build__required_features=["kvm"]))
     assert offered(worker) == []
 
 
-@pytest.mark.django_db
-def test_finished_evaluations_are_not_scanned_for_an_eval_slot():
-    """Finished evaluations pile up until garbage collection; the offer and the candidates
-    reach the startable ones through idx-evaluation-startable instead of scanning them."""
-    worker = WorkerFactory()
-    EvaluationFactory.create_batch(3)
-    EvaluationFactory.create_batch(3, status="Fetching")
-    EvaluationFactory.create_batch(3000, status="Completed")
-    with db_connection.cursor() as cursor:
-        cursor.execute("ANALYZE evaluation")
-    for call in (
-        lambda: offered(worker),
-        lambda: candidates(worker, offerable(worker, "eval")),
-    ):
-        with CaptureQueriesContext(db_connection) as captured:
-            call()
-        with db_connection.cursor() as cursor:
-            cursor.execute("EXPLAIN " + captured.captured_queries[-1]["sql"])
-            plan = "\n".join(row[0] for row in cursor.fetchall())
-        assert "idx-evaluation-startable" in plan, plan
-        assert "Seq Scan on evaluation" not in plan, plan
-
-
-# A session's mark (offers.OfferMark): only job rows written since its last offer are read.
-# On committed rows, as a session sees them: inside a test's transaction the oldest running
-# transaction is the test's own, and a mark could never pass the rows it wrote.
-
-
-def forget_offers(mark):
-    """As if the session had not remembered its offers: without a mark they would go again."""
-    mark.pending.clear()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_with_a_mark_only_jobs_written_since_the_last_offer_are_read():
-    worker, mark = WorkerFactory(), offers.OfferMark()
-    old = BuildFactory()
-    assert offered(worker, mark) == [old.job_key]
-    forget_offers(mark)
-    assert offered(worker, mark) == []  # the row is older than the mark: not read
-    new = BuildFactory()
-    waiting = BuildFactory(status="Created")  # not startable: not offered
-    assert offered(worker, mark) == [new.job_key]
-    waiting.status = "Queued"  # its dependencies built: a new row version
-    waiting.save()
-    assert offered(worker, mark) == [waiting.job_key]
-    # Without a mark every job is read (and without a session, nothing is remembered).
-    assert sorted(offered(worker)) == sorted([old.job_key, new.job_key, waiting.job_key])
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_mark_is_dropped_for_a_full_read_now_and_then():
-    worker, mark = WorkerFactory(), offers.OfferMark()
-    job = EvaluationFactory()
-    assert offered(worker, mark) == [job.job_key]
-    forget_offers(mark)
-    assert offered(worker, mark) == []
-    mark.full_read_at -= offers.FULL_READ_EVERY + 1
-    assert offered(worker, mark) == [job.job_key]
-    forget_offers(mark)
-    mark.reset()  # new capabilities
-    assert offered(worker, mark) == [job.job_key]
-
-
-@pytest.mark.django_db(transaction=True)
-def test_an_offer_cut_short_keeps_its_mark_for_the_rest(monkeypatch):
-    monkeypatch.setattr(offers, "OFFER_BATCH", 2)
-    worker, mark = WorkerFactory(can_build=False), offers.OfferMark()
-    jobs = EvaluationFactory.create_batch(3)
-    first = offered(worker, mark)
-    assert len(first) == 2
-    assert offered(worker, mark) == [j.job_key for j in jobs if j.job_key not in first]
-    assert offered(worker, mark) == []
-
-
-class SlowSubmission:
-    """A build inserted by a transaction on another connection that stays open until
-    commit(): written before the offers that follow, committed after them."""
-
-    def __init__(self, project):
-        self.job = None
-        self._written, self._go_on = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._submit, args=(project,))
-        self._thread.start()
-        assert self._written.wait(10)
-
-    def _submit(self, project):
-        try:
-            with transaction.atomic():
-                self.job = BuildFactory(project=project)
-                self._written.set()
-                self._go_on.wait(10)
-        finally:
-            db_connection.close()
-
-    def commit(self):
-        self._go_on.set()
-        self._thread.join(10)
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_job_committed_after_an_offer_that_could_not_see_it_comes_with_the_next():
-    """The race a watermark must not lose: a job written by a transaction that began before
-    an offer read the jobs and committed after it. Its row is older than the offer's read,
-    yet unseen by it; the mark is the oldest transaction still running, so it is read next."""
-    worker, mark = WorkerFactory(), offers.OfferMark()
-    project = BuildFactory().project
-    assert len(offered(worker, mark)) == 1
-    slow = SlowSubmission(project)
-    quick = BuildFactory(project=project)  # committed at once, after the slow one's insert
-    assert offered(worker, mark) == [quick.job_key]  # the slow one is not committed yet
-    slow.commit()
-    assert offered(worker, mark) == [slow.job.job_key]
-
-
-@pytest.mark.django_db(transaction=True)
-def test_after_a_read_that_found_nothing_a_cheap_probe_comes_first():
-    worker, mark = WorkerFactory(), offers.OfferMark()
+def test_a_draining_worker_is_offered_nothing():
+    worker = WorkerFactory(draining=True)
     BuildFactory()
-    assert len(offered(worker, mark)) == 1
-    assert offered(worker, mark) == []  # nothing new: the mark is quiet now
-    assert mark.quiet
-    before = mark.xmin
-
-    with CaptureQueriesContext(db_connection) as queries:
-        assert offered(worker, mark) == []
-    # Only the worker's row and the probe: no job was written since the mark.
-    assert [q["sql"] for q in queries][-1].lstrip().startswith("SELECT pg_snapshot_xmin")
-    assert len(queries) == 2
-    assert int(mark.xmin) >= int(before)  # moved on as the read would have
-
-    new = EvaluationFactory()
-    assert offered(worker, mark) == [new.job_key]
-    assert not mark.quiet
+    assert offered(worker) == []
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_job_committed_after_a_probe_that_could_not_see_it_comes_with_the_next():
-    worker, mark = WorkerFactory(), offers.OfferMark()
-    project = BuildFactory().project
-    assert len(offered(worker, mark)) == 1
-    assert offered(worker, mark) == []  # quiet
-    slow = SlowSubmission(project)
-    assert offered(worker, mark) == []  # the probe cannot see it yet, and moves the mark
-    slow.commit()
-    assert offered(worker, mark) == [slow.job.job_key]
+def test_offers_made_by_the_dispatch_pass_are_not_made_again():
+    worker = WorkerFactory()
+    member = BuildMemberFactory()
+    waiting(member)
+    JobScore.objects.create(worker=worker, job_id=member.job_key, offered_at=timezone.now())
+    assert offered(worker) == []
+
+
+def head_walks(call) -> dict[str, int]:
+    """The rows each scan of a job table read when the call's last statement ran again
+    (EXPLAIN ANALYZE): index name (or "seq scan") -> rows read, kept or filtered out."""
+    with CaptureQueriesContext(db_connection) as captured:
+        call()
+    with db_connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + captured.captured_queries[-1]["sql"])
+        [[root]] = cursor.fetchone()
+    read: dict[str, int] = {}
+
+    def walk(node):
+        if node.get("Relation Name") in ("evaluation", "derivation_build"):
+            name = node.get("Index Name", "seq scan")
+            rows = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node[
+                "Actual Loops"
+            ]
+            read[name] = read.get(name, 0) + rows
+        for child in node.get("Plans", ()):
+            walk(child)
+
+    walk(root["Plan"])
+    return read
+
+
+def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
+    """A deep queue, finished evaluations piling up until garbage collection: the offer and
+    the candidates walk each kind's index and stop at the window."""
+    worker, project = WorkerFactory(), ProjectFactory()
+    Evaluation.objects.bulk_create(
+        Evaluation(project=project, status=status)
+        for status in ["Queued"] * 2000 + ["Completed"] * 2000
+    )
+    DerivationBuild.objects.bulk_create(
+        DerivationBuild(project=project, status="Queued") for _ in range(2000)
+    )
+    answered_scores([(worker, e.job_key, 5) for e in Evaluation.objects.all()[:50]])
+    with db_connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    for call, walks in (
+        (lambda: offered(worker), {"idx-evaluation-head", "idx-derivation_build-head"}),
+        (lambda: candidates(worker, offerable(worker, "eval")), {"idx-evaluation-head"}),
+        (lambda: candidates(worker, offerable(worker, "build")), {"idx-derivation_build-head"}),
+    ):
+        read = {name: rows for name, rows in head_walks(call).items() if rows}
+        assert set(read) == walks, read
+        assert all(rows <= 32 + 1 for rows in read.values()), read

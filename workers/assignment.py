@@ -1,4 +1,4 @@
-"""The single path: RequestJob -> the best job of that kind for this worker -> claim -> AssignJob.
+"""The single path: RequestJob -> the cheapest job of the worker's head -> claim -> AssignJob.
 
 Members of a Queued or Running cluster are never given out here: they start only through
 their cluster (clusters.tracking). Nothing to give records an idle slot, the planner's view
@@ -6,7 +6,6 @@ of free capacity.
 """
 
 import uuid
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from django.db import connection, transaction
@@ -15,47 +14,40 @@ from django.utils import timezone
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.transitions import advance_build, advance_evaluation
+from workers.head import (
+    FETCH_STEPS,
+    Offerable,
+    job_table,
+    literals,
+    offerable,
+    platform_params,
+    singles_sql,
+)
 from workers.models import IdleSlot, Worker
 from workers.protocol import AssignJob, JobSpec
 
-FULL_STEPS = ["fetch", "evaluate_flake", "evaluate_derivations"]
-FETCH_STEPS = ["fetch"]
-FOLLOW_UP_STEPS = ["evaluate_flake", "evaluate_derivations"]
-BUILD_STEPS = ["build"]
 CANDIDATES = 20  # claims lost to rivals fall through to the next candidate
 
-# Jobs of one kind this worker may take, best first: prioritized, least to fetch (a job never
-# scored counts as the most expensive), oldest; never a member of a Queued or Running cluster
-# (the row's active_member, clusters.tracking). With each, what its claim, its AssignJob and
-# its JobOffer need, so none of them reads the job again. The {placeholders} are fixed SQL
-# fragments.
-# What makes a job of a table one this worker may take now (shared with the offers): its
-# status (bound under the name {statuses}), the worker's platform and project access, no
-# open assignment.
-JOB_FILTER_SQL = """
-j.status = ANY(%({statuses})s)
-  AND j.architecture = ANY(%(architectures)s)
-  AND j.required_features <@ %(features)s
-  AND (%(all_projects)s OR j.project_id IN (
-        SELECT project_id FROM worker_projects WHERE worker_id = %(worker)s))
-  AND NOT EXISTS (SELECT 1 FROM dispatched_job d
-                  WHERE d.job_id = '{prefix}' || j.id::text AND d.finished_at IS NULL)
-"""
-CANDIDATES_SQL = (
-    """
-SELECT j.id, j.status, {substitute} AS substitute,
-       j.project_id, p.name, j.architecture, j.required_features, j.paths
-FROM {table} j
-JOIN project p ON p.id = j.project_id
-LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text
-WHERE """
-    + JOB_FILTER_SQL
-    + """
-  AND NOT j.active_member
-ORDER BY j.prioritized DESC, s.missing_nar_size ASC NULLS LAST, j.created_at ASC
+# The single jobs of the worker's head, cheapest first: prioritized, then one passed over by
+# a window of younger jobs while first in line, then least to fetch (a job never scored is the
+# most expensive), then oldest. `first` is the head's first in line, whose wait a claim of any
+# other job lengthens. With each, what its claim and its AssignJob need.
+CANDIDATES_SQL = """
+WITH head AS ({singles})
+SELECT h.id, h.status, h.substitute, h.project_id, h.project, h.architecture,
+       h.required_features, h.paths,
+       first_value(h.id) OVER (ORDER BY h.prioritized DESC, h.created_at ASC) AS first
+FROM head h
+LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || h.id::text
+ORDER BY h.prioritized DESC, h.passed_over >= %(window)s DESC,
+         s.missing_nar_size ASC NULLS LAST, h.created_at ASC
 LIMIT %(limit)s
 """
-)
+
+PASSED_OVER_SQL = """
+UPDATE {table} SET passed_over = passed_over + 1
+WHERE id = %(first)s AND status IN ({statuses}) AND passed_over < 32767
+"""
 
 
 class Candidate(NamedTuple):
@@ -69,64 +61,28 @@ class Candidate(NamedTuple):
     architecture: str
     required_features: list[str]
     paths: list[str]
+    first: uuid.UUID
 
 
-@dataclass(frozen=True)
-class Offerable:
-    """How one worker can serve a RequestJob of one kind."""
-
-    kind: str
-    statuses: tuple[str, ...]
-    steps_for: dict  # job status -> steps
-
-
-def offerable(worker: Worker, kind: str) -> Offerable | None:
-    if kind == JobKind.BUILD:
-        if not worker.can_build:
-            return None
-        return Offerable(kind, (BuildStatus.QUEUED,), {BuildStatus.QUEUED: BUILD_STEPS})
-    if worker.can_eval:
-        # A fetched evaluation (status Fetching, its fetch-only job done) needs the follow-up.
-        return Offerable(
-            kind,
-            (EvaluationStatus.QUEUED, EvaluationStatus.FETCHING),
-            {EvaluationStatus.QUEUED: FULL_STEPS, EvaluationStatus.FETCHING: FOLLOW_UP_STEPS},
-        )
-    if worker.can_fetch:
-        # A fetch-only worker takes the fetch step of a split single evaluation.
-        return Offerable(kind, (EvaluationStatus.QUEUED,), {EvaluationStatus.QUEUED: FETCH_STEPS})
-    return None
-
-
-def job_filter_params(worker: Worker, how: Offerable) -> dict:
-    """The parameters of JOB_FILTER_SQL for one kind."""
-    return {
-        "worker": worker.pk,
-        "statuses": list(how.statuses),
-        "architectures": worker.architectures,
-        "features": worker.system_features,
-        "all_projects": worker.all_projects,
-    }
-
-
-def job_table(kind: str) -> tuple[str, str]:
-    """(table, job key prefix) of a kind."""
-    return ("derivation_build", "build:") if kind == JobKind.BUILD else ("evaluation", "eval:")
-
-
-def candidates(worker: Worker, how: Offerable, *, limit=CANDIDATES) -> list:
-    """The jobs (Candidate rows, the id first) this worker may take as single jobs, best
-    first; cluster members are never among them."""
-    table, prefix = job_table(how.kind)
-    sql = CANDIDATES_SQL.format(
-        table=table,
-        prefix=prefix,
-        statuses="statuses",
-        substitute="j.cache_available" if how.kind == JobKind.BUILD else "false",
-    )
+def candidates(worker: Worker, how: Offerable, *, limit=CANDIDATES) -> list[Candidate]:
+    """The single jobs of this worker's head, best first."""
+    _, prefix = job_table(how.kind)
+    sql = CANDIDATES_SQL.format(singles=singles_sql(how), prefix=prefix)
     with connection.cursor() as cursor:
-        cursor.execute(sql, {**job_filter_params(worker, how), "limit": limit})
+        cursor.execute(sql, {**platform_params(worker), "limit": limit})
         return [Candidate._make(row) for row in cursor.fetchall()]
+
+
+def pass_over(how: Offerable, job: Candidate) -> None:
+    """A job was given out ahead of the head's first in line: count it against that one."""
+    if job.first == job.id:
+        return
+    table, _ = job_table(how.kind)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            PASSED_OVER_SQL.format(table=table, statuses=literals(how.statuses)),
+            {"first": job.first},
+        )
 
 
 def _claim_one(worker: Worker, how: Offerable, job: Candidate) -> Assignment | None:
@@ -229,6 +185,7 @@ def request_job(worker_id: int, kind: str, worker: Worker | None = None) -> Assi
     for job in candidates(worker, how):
         assignment = _claim_one(worker, how, job)
         if assignment is not None:
+            pass_over(how, job)
             return assign_frame(assignment, job)
     record_idle(worker_id, kind)
     return None

@@ -17,7 +17,7 @@ from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from clusters import coordinator
+from clusters import coordinator, tracking
 from clusters.dispatch import wake_dispatch
 from gradient import metrics
 from gradient.errors import NotAllowed
@@ -183,15 +183,27 @@ def session_starts() -> Starts:
     return _starts[loop]
 
 
-def answer_request(worker_id: int, kind: str, mark: offers.OfferMark | None = None):
-    """RequestJob: new offers first, then the job; with nothing to give, an idle slot was
-    recorded and a cluster may now have its full placement, so the dispatch pass wakes."""
+def offer_or_answer(worker_id: int, kind: str, wait: bool = True):
+    """RequestJob: the worker's head jobs it was not offered yet, if any, and the answer
+    unless it waits for their scores (`wait`)."""
     worker = assignment.load_worker(worker_id, kind)
-    offer = offers.new_offers(worker_id, worker, mark)
+    offer = offers.offer_head(worker, tracking.member_head_parts(worker))
+    if offer is not None and wait:
+        return offer, None
+    return offer, answer_request(worker_id, kind, worker)
+
+
+def answer_request(worker_id: int, kind: str, worker=None):
+    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
+    and a cluster may now have its full placement, so the dispatch pass wakes."""
     assign = assignment.request_job(worker_id, kind, worker)
     if assign is None:
         wake_dispatch()
-    return offer, assign
+    return assign
+
+
+def first_offer(worker):
+    return offers.offer_head(worker, tracking.member_head_parts(worker))
 
 
 class Touch(NamedTuple):
@@ -199,9 +211,15 @@ class Touch(NamedTuple):
 
 
 class OfferAll(NamedTuple):
-    """A session's full offer, queued with its bulk frames (not a protocol message)."""
+    """A session's first offer, queued with its bulk frames (not a protocol message)."""
 
     worker: object  # the Worker row just written by record_capabilities
+
+
+class ScoresLate(NamedTuple):
+    """GRADIENT_SCORE_WAIT_MS passed since an offer that requests wait on (not a message)."""
+
+    offer: int  # which offer (Session.offers_made at the time)
 
 
 class WorkerConsumer(AsyncWebsocketConsumer):
@@ -248,7 +266,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.start_began()
         self.worker_id, self.worker_name = worker
         self.ready = False
-        self.offer_mark = offers.OfferMark()  # offers are per connection
+        # RequestJobs waiting for the worker's scores of the offer made for them.
+        self.awaiting: list[str] = []
+        self.offers_made = 0
+        self.asked = False  # the dispatch pass offered members: their scores wake it
         self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
         self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
         self.last_report: asyncio.Future | None = None
@@ -411,24 +432,50 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.queue_bulk(OfferAll(worker))
 
     async def on_OfferAll(self, offer_all: "OfferAll"):
-        self.offer_mark.reset()
-        offer = await db(offers.new_offers)(self.worker_id, offer_all.worker, self.offer_mark)
+        offer = await db(first_offer)(offer_all.worker)
         if offer is not None:
             await self.reply(offer)
 
     async def on_RequestJob(self, request: RequestJob):
-        offer, assign = await db(answer_request)(self.worker_id, request.kind, self.offer_mark)
+        # The single path chooses by the scores of the head: a request that comes with new
+        # offers is answered once the worker has scored them, or when they are late.
+        if self.awaiting:
+            if self.awaiting.count(request.kind) < self.slots.get(request.kind, 0):
+                self.awaiting.append(request.kind)
+            return
+        wait = settings.GRADIENT["SCORE_WAIT_MS"] / 1000
+        offer, assign = await db(offer_or_answer)(self.worker_id, request.kind, bool(wait))
         if offer is not None:
             await self.reply(offer)
         if assign is not None:
             await self.reply(assign)
+        elif offer is not None and wait:
+            self.awaiting.append(request.kind)
+            self.offers_made += 1
+            later = ScoresLate(self.offers_made)
+            asyncio.get_running_loop().call_later(wait, self.bulk.put, later)
+
+    async def on_ScoresLate(self, late: "ScoresLate"):
+        if late.offer == self.offers_made:
+            await self.answer_awaiting()
+
+    async def answer_awaiting(self):
+        kinds, self.awaiting = self.awaiting, []
+        for kind in kinds:
+            assign = await db(answer_request)(self.worker_id, kind)
+            if assign is not None:
+                await self.reply(assign)
 
     async def on_JobScores(self, scores: JobScores):
         # One row per job: a job scored twice in one frame keeps its last score (PostgreSQL
         # refuses an upsert that touches one row twice).
         latest = list({score.job_id: score for score in scores.scores}.values())
         await db(offers.record_scores)(self.worker_id, latest)
-        self.offer_mark.answered(score.job_id for score in latest)
+        if self.awaiting:
+            await self.answer_awaiting()  # an unanswered request wakes the pass itself
+        elif self.asked:
+            await db(wake_dispatch)()
+        self.asked = False
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:
@@ -461,6 +508,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def worker_send(self, event):
         """A pass (dispatch, coordinator) sends a frame to this worker."""
         if self.live:
+            await self.send_frame(event["frame"])
+
+    async def worker_offer(self, event):
+        """The dispatch pass offers this idle worker the members of a cluster it could seat:
+        the answer wakes the pass, which places the cluster on it."""
+        if self.live:
+            self.asked = True
             await self.send_frame(event["frame"])
 
     async def worker_revoked(self, event):

@@ -124,8 +124,9 @@ def close_revoked_on_commit(worker_id: int) -> None:
     send_to_worker_on_commit(worker_id, {"type": "worker.revoked"})
 
 
-def send_frames(frames: list[tuple[int, object]]) -> None:
-    """Sends protocol messages now (outside any transaction); best effort, like every send."""
+def send_frames(frames: list[tuple[int, object]], event: str = "worker.send") -> None:
+    """Sends protocol messages now (outside any transaction); best effort, like every send.
+    `event` names the session's handler (worker.offer: an offer of the dispatch pass's)."""
     layer = get_channel_layer()
     # A message sent to several workers (a StartCluster to every member) is rendered once.
     texts = {id(message): message.frame() for _, message in frames}
@@ -134,7 +135,7 @@ def send_frames(frames: list[tuple[int, object]]) -> None:
         try:
             for worker_id, message in frames:
                 await layer.group_send(
-                    worker_group(worker_id), {"type": "worker.send", "frame": texts[id(message)]}
+                    worker_group(worker_id), {"type": event, "frame": texts[id(message)]}
                 )
         except Exception:
             logger.warning("could not send %d frame(s)", len(frames), exc_info=True)

@@ -1,144 +1,58 @@
-"""JobOffer and JobScores: what each worker was offered, and what it would have to fetch.
+"""JobOffer and JobScores: the head of the queue offered to a worker, and what it would fetch.
 
-A worker is offered every job it could take, cluster members among them, once per connection
-(a pair never scored counts as the most expensive seat). Before each RequestJob is answered,
-the session asks for the jobs the worker has not been offered yet: those without a job_score
-row (the worker's answers) and not offered since the last full read while unanswered (the
-mark's `pending`, in the session's memory like the connection itself). A reference worker
-answers each offer before its next RequestJob, and the session handles its frames in order,
-so an answered job is skipped by its row; an offer left unanswered for FULL_READ_EVERY is
-made again by the next read that meets it (a full read, or its row rewritten). Offers used
-to write a job_score row per pair before the answer wrote it again: at 500 workers about
-10,000 pairs a second, and the offer PostgreSQL's costliest statement.
-
-Finding the new jobs used to read every startable job against the worker's job_score rows,
-a few hundred anti-join probes per RequestJob at a busy queue. A session now keeps an
-OfferMark: the oldest transaction still running when its last offer read the jobs. A job
-that became startable since was written by that transaction or a later one, so the next
-offer reads only job rows whose last writer (written_xid, indexed) is no older. The mark is
-dropped (one full read) every FULL_READ_EVERY seconds and when the worker's capabilities
-change, so that a change no job row shows (the worker's project access) is picked up within
-that time.
+A worker's job_score rows are its offers on this connection (attach deletes them): a row is
+written when a job is offered, without a score, and the answer fills it in. An offer sends the
+head's jobs that have no row yet, so a worker scores a job once per connection, whichever
+process offered it; and it deletes the rows of jobs that left the head, so a worker holds rows
+for its head alone (about twice the window per kind), however deep the queue.
 """
-
-import time
-from dataclasses import dataclass, field
 
 from django.db import connection as db_connection
 from django.utils import timezone
 
-from gradient.jobs.models import EvaluationStatus, JobKind
+from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
-from workers.assignment import FETCH_STEPS, JOB_FILTER_SQL, job_filter_params, job_table, offerable
+from workers.head import job_table, offerable, platform_params, singles_sql
 from workers.models import Worker
 from workers.protocol import JobOffer, OfferedJob
 
-OFFER_BATCH = 200
-FULL_READ_EVERY = 60.0  # seconds
+# A part of the head as the offer reads it: one row per job, with what a JobOffer names.
+OFFERED_COLUMNS = "key, kind, project, architecture, required_features, paths, member"
 
-
-@dataclass
-class OfferMark:
-    """A session's watermark: the id of the oldest transaction running when its last offer
-    read the jobs, as text (PostgreSQL's 64-bit xid8), and when it last read them all; and the
-    jobs offered since that full read that the worker has not scored yet."""
-
-    xmin: str | None = None
-    full_read_at: float = float("-inf")
-    pending: dict[str, float] = field(default_factory=dict)  # job key -> when offered
-    quiet: bool = False  # the last read found nothing new: the next asks WRITTEN_SINCE_SQL first
-
-    def since(self) -> str | None:
-        """The xmin to read from, None for a full read."""
-        if time.monotonic() - self.full_read_at > FULL_READ_EVERY:
-            return None
-        return self.xmin
-
-    def reset(self) -> None:
-        """New capabilities: read every job, and offer again what is still unanswered."""
-        self.xmin = None
-        self.pending.clear()
-
-    def unanswered(self) -> list[str]:
-        """The jobs offered less than FULL_READ_EVERY ago and not answered: not offered again.
-        Older ones are forgotten, so the next read that meets them offers them again."""
-        stale = time.monotonic() - FULL_READ_EVERY
-        for key in [key for key, at in self.pending.items() if at < stale]:
-            del self.pending[key]
-        return sorted(self.pending)
-
-    def offered(self, keys) -> None:
-        now = time.monotonic()
-        self.pending.update((key, now) for key in keys)
-
-    def answered(self, keys) -> None:
-        """A JobScores answer: its jobs have job_score rows now, which the offers skip."""
-        for key in keys:
-            self.pending.pop(key, None)
-
-
-# The jobs of one kind this worker may take and has not been offered yet, cluster members
-# among them (except to a fetch-only worker: a member evaluation always runs as one job),
-# first come first offered. With a mark, only the job rows written since: written_xid is the
-# row's last writing transaction (a trigger's, jobs migration 0006), indexed, so a marked read
-# finds the few rows written since the last offer instead of testing every startable job.
-WRITTEN_SINCE = "j.written_xid >= %(since)s::xid8"
-UNOFFERED_SQL = (
-    """
-SELECT '{prefix}' || j.id::text AS key, '{kind}' AS kind, p.name, j.architecture,
-       j.required_features, j.paths, j.prioritized, j.created_at
-FROM {table} j
-JOIN project p ON p.id = j.project_id
-WHERE {since_filter}
-  AND """
-    + JOB_FILTER_SQL
-    + """
-  AND NOT EXISTS (SELECT 1 FROM job_score s
-                  WHERE s.worker_id = %(worker)s AND s.job_id = '{prefix}' || j.id::text)
-  AND NOT ('{prefix}' || j.id::text = ANY(%(pending)s::text[]))
-  {member_filter}
-ORDER BY j.prioritized DESC, j.created_at ASC
-LIMIT %(limit)s
+SINGLES_PART = """
+SELECT '{prefix}' || h.id::text AS key, '{kind}'::text AS kind, h.project, h.architecture,
+       h.required_features, h.paths, false AS member
+FROM ({singles}) h
 """
-)
-# Both kinds' unoffered jobs in one statement and one row, with the xmin of the statement's
-# own snapshot (there even when nothing is new).
-#
-# The jobs come as the JobOffer's own JSON (OfferedJob's fields), made by PostgreSQL: turning
-# a hundred rows of arrays into Python values and models, then into JSON again, was a fifth
-# of a daphne's GIL time in the throughput benchmark.
+
 OFFER_SQL = """
-WITH fresh AS ({parts})
-SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
-       coalesce(json_agg(json_build_object(
-           'job_id', key, 'kind', kind, 'project', name, 'architecture', architecture,
-           'required_features', coalesce(required_features, '{{}}'),
-           'paths', coalesce(paths, '{{}}'))
-           ORDER BY prioritized DESC, created_at ASC), '[]')::text,
-       coalesce(string_agg(key, ','), ''),
-       coalesce((SELECT max(n) FROM (SELECT count(*) AS n FROM fresh GROUP BY kind) k), 0)
-FROM fresh
-"""
-
-
-# Whether any job row was written since a mark, and the xmin of this statement's snapshot: the
-# last entry of each written_xid index, so PostgreSQL plans it in microseconds. A marked read
-# can only find rows written since its mark: when none are, it would find nothing, and this
-# moves the mark on as that read would have. Asked only after a read that found nothing (a
-# reconnect storm, an idle fleet), where planning OFFER_SQL for every RequestJob was most of
-# PostgreSQL's work: 0.9 ms a call in a storm's statement log, to return no job.
-WRITTEN_SINCE_SQL = """
-SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
-       coalesce((SELECT max(written_xid) FROM evaluation) >= %(since)s::xid8, false)
-    OR coalesce((SELECT max(written_xid) FROM derivation_build) >= %(since)s::xid8, false)
+WITH head AS ({parts}),
+dropped AS (
+    DELETE FROM job_score s
+    WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM head))
+),
+fresh AS (
+    INSERT INTO job_score (worker_id, job_id, offered_at)
+    SELECT %(worker)s, key, %(now)s FROM head
+    ON CONFLICT (worker_id, job_id) DO NOTHING
+    RETURNING job_id
+)
+SELECT coalesce(json_agg(json_build_object(
+           'job_id', h.key, 'kind', h.kind, 'project', h.project,
+           'architecture', h.architecture, 'required_features', h.required_features,
+           'paths', h.paths) ORDER BY h.kind, h.member, h.key), '[]')::text,
+       coalesce(bool_or(h.member), false)
+FROM head h JOIN fresh f ON f.job_id = h.key
 """
 
 
 class RenderedOffer:
-    """A JobOffer as the frame to send, made without models (`jobs` parses it, for tests)."""
+    """A JobOffer as the frame to send, made by PostgreSQL (`jobs` parses it, for tests);
+    `members` tells whether it offers a cluster member."""
 
-    def __init__(self, jobs_json: str):
+    def __init__(self, jobs_json: str, members: bool = False):
         self.text = '{"type":"JobOffer","jobs":' + jobs_json + "}"
+        self.members = members
 
     def frame(self) -> str:
         return self.text
@@ -148,73 +62,37 @@ class RenderedOffer:
         return JobOffer.model_validate_json(self.text).jobs
 
 
-def new_offers(
-    worker_id: int, worker: Worker | None = None, mark: OfferMark | None = None
-) -> RenderedOffer | None:
-    """Jobs this worker could take that it has not been offered yet, cluster members among
-    them. A caller that has the worker's row passes it (one query less per RequestJob); a
-    session passes its mark, read and moved on here, which remembers what was offered (without
-    one, every job not yet scored comes back)."""
-    worker = worker or Worker.objects.get(pk=worker_id)
+def singles_parts(worker: Worker) -> list[str]:
+    """The single jobs' part of each kind's head this worker can serve."""
+    parts = []
+    for how in (offerable(worker, kind) for kind in JobKind.values):
+        if how is not None:
+            _, prefix = job_table(how.kind)
+            singles = singles_sql(how)
+            parts.append(SINGLES_PART.format(prefix=prefix, kind=how.kind, singles=singles))
+    return parts
+
+
+def offer_head(worker: Worker, member_parts=()) -> RenderedOffer | None:
+    """Offer the worker its head's jobs it has not been offered on this connection, and forget
+    the offers of jobs that left its head; None when there is nothing new. `member_parts` are
+    the members' parts (clusters.tracking.member_head_parts), in OFFERED_COLUMNS."""
     if worker.draining:
         return None
-    since = mark.since() if mark is not None else None
-    if since is not None and mark.quiet and not written_since(mark, since):
-        return None
-    pending = text_array(mark.unanswered() if mark is not None else [])
-    params = {"worker": worker_id, "limit": OFFER_BATCH, "since": since, "pending": pending}
-    parts = []
-    for kind in (JobKind.EVAL, JobKind.BUILD):
-        how = offerable(worker, kind)
-        if how is None:
-            continue
-        table, prefix = job_table(kind)
-        fetch_only = how.steps_for.get(EvaluationStatus.QUEUED) == FETCH_STEPS
-        part = UNOFFERED_SQL.format(
-            table=table,
-            prefix=prefix,
-            kind=kind,
-            statuses=f"{kind}_statuses",  # the kinds' statuses differ; the rest is shared
-            member_filter="AND NOT j.active_member" if fetch_only else "",
-            # Two texts, not one with an OR: a plan for both could use the index for neither.
-            since_filter=WRITTEN_SINCE if since is not None else "true",
-        )
-        filter_params = job_filter_params(worker, how)
-        params[f"{kind}_statuses"] = filter_params.pop("statuses")
-        params.update(filter_params)
-        parts.append(f"({part})")
+    parts = [*singles_parts(worker), *member_parts]
     if not parts:
         return None
+    sql = OFFER_SQL.format(parts=" UNION ".join(f"({part})" for part in parts))
     with db_connection.cursor() as cursor:
-        cursor.execute(OFFER_SQL.format(parts=" UNION ALL ".join(parts)), params)
-        # The keys as one string: no JSON to parse, no array to load, for what this needs.
-        xmin, jobs_json, keys, most_of_a_kind = cursor.fetchone()
-    # An offer cut short at OFFER_BATCH (per kind) leaves rows to offer: the mark stays.
-    if mark is not None and most_of_a_kind < OFFER_BATCH:
-        if since is None:
-            mark.full_read_at = time.monotonic()
-        mark.xmin = xmin
-    if mark is not None:
-        mark.quiet = not keys
-    if not keys:
+        cursor.execute(sql, {**platform_params(worker), "now": timezone.now()})
+        jobs_json, members = cursor.fetchone()
+    if jobs_json == "[]":
         return None
-    if mark is not None:
-        mark.offered(keys.split(","))
-    return RenderedOffer(jobs_json)
+    return RenderedOffer(jobs_json, members)
 
 
-def written_since(mark: OfferMark, since: str) -> bool:
-    """Whether a job row was written since the mark; if not, the mark moves on."""
-    with db_connection.cursor() as cursor:
-        cursor.execute(WRITTEN_SINCE_SQL, {"since": since})
-        xmin, written = cursor.fetchone()
-    if not written:
-        mark.xmin = xmin
-    return written
-
-
-# A JobScores answer in one statement, no model instances: a fleet's scores are tens of
-# thousands of rows.
+# A JobScores answer in one statement, no model instances. A score for a job not offered is
+# kept too: the next offer forgets it unless the job is at the worker's head.
 RECORD_SCORES_SQL = """
 INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
 SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
@@ -227,8 +105,7 @@ SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_
 
 
 def record_scores(worker_id: int, scores) -> int:
-    """Store a JobScores answer; scores for jobs never offered are kept too (harmless, and a
-    worker may score ahead). One score per job: PostgreSQL refuses an upsert that touches
+    """Store a JobScores answer. One score per job: PostgreSQL refuses an upsert that touches
     one row twice."""
     if not scores:
         return 0

@@ -29,7 +29,7 @@ from gradient.jobs.transitions import (
     advance_build,
     advance_evaluation,
 )
-from workers.assignment import FETCH_STEPS
+from workers.head import FETCH_STEPS
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:

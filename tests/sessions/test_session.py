@@ -8,7 +8,7 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob, EvaluationStatus
-from tests.factories import BuildFactory, BuildMemberFactory, EvaluationFactory
+from tests.factories import BuildFactory, BuildMemberFactory, EvaluationFactory, waiting
 from tests.sessions.conftest import CAPS, Session
 from workers.models import IdleSlot, JobScore, Worker
 
@@ -177,6 +177,7 @@ async def test_jobs_the_worker_could_take_are_offered_once_members_included(work
     _, session = await worker_session()
     single = await q(lambda: BuildFactory(paths=["/nix/store/a"]))
     member = await q(lambda: BuildMemberFactory())
+    await q(lambda: waiting(member))
     await q(lambda: BuildFactory(architecture="riscv64-linux"))  # cannot run here
     await session.connect()
     await session.hello()
@@ -208,6 +209,43 @@ async def test_scores_steer_the_worker_to_the_job_with_least_to_fetch(worker_ses
     await session.close()
 
 
+async def test_a_request_with_new_offers_is_answered_by_their_scores(worker_session, settings):
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 5_000}
+    _, session = await worker_session()
+    await session.connect()
+    await session.hello()
+    assert await session.silent()  # its first offer: an empty head
+    costly, cheap = await q(lambda: BuildFactory.create_batch(2))
+    await session.send({"type": "RequestJob", "kind": "build"})
+    offer = await session.recv_type("JobOffer")
+    assert {j["job_id"] for j in offer["jobs"]} == {costly.job_key, cheap.job_key}
+    assert await session.silent()  # the answer waits for the scores
+    scores = [
+        {"job_id": costly.job_key, "missing_count": 9, "missing_nar_size": 900},
+        {"job_id": cheap.job_key, "missing_count": 1, "missing_nar_size": 10},
+    ]
+    await session.send({"type": "JobScores", "scores": scores})
+    assert (await session.recv_type("AssignJob"))["job_id"] == cheap.job_key
+    await session.close()
+
+
+async def test_a_request_whose_offer_goes_unanswered_is_answered_after_the_wait(
+    worker_session, settings
+):
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 300}
+    _, session = await worker_session()
+    await session.connect()
+    await session.hello()
+    assert await session.silent()  # its first offer: an empty head
+    build = await q(lambda: BuildFactory())
+    await session.send({"type": "RequestJob", "kind": "build"})
+    await session.recv_type("JobOffer")
+    assert await session.silent(0.15)
+    assigned = await session.recv_type("AssignJob", timeout=3)
+    assert assigned["job_id"] == build.job_key
+    await session.close()
+
+
 async def test_a_request_is_answered_with_the_best_job_and_a_claimed_row(worker_session):
     worker, session = await worker_session()
     _, prioritized = await q(lambda: BuildFactory.create_batch(2))
@@ -231,7 +269,7 @@ async def test_a_request_is_answered_with_the_best_job_and_a_claimed_row(worker_
 
 async def test_a_member_of_a_queued_cluster_is_never_assigned_as_a_single_job(worker_session):
     _, session = await worker_session()
-    await q(lambda: BuildMemberFactory())
+    await q(lambda: waiting(BuildMemberFactory()))
     await session.connect()
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})

@@ -1,0 +1,116 @@
+"""Asking the idle seats for their scores (clusters.asking, protocol.md): a cluster that
+becomes able to start is offered at once to the idle workers that could seat it, and placed on
+their answers, or GRADIENT_SCORE_WAIT_MS after the offers for a silent one."""
+
+from datetime import timedelta
+
+import pytest
+
+from clusters.dispatch import run_pass
+from clusters.models import ClusterAttempt, ClusterJob
+from gradient.jobs.models import DispatchedJob
+from tests.clusterflow import Inbox, idle_workers
+from tests.factories import BuildMemberFactory, ClusterFactory
+from workers import offers
+from workers.models import JobScore
+from workers.protocol import Score
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _layer(memory_layer, settings):
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 60_000}
+
+
+def cluster_of_builds(n, **kwargs):
+    cluster = ClusterFactory(**kwargs)
+    for i in range(n):
+        BuildMemberFactory(cluster_job=cluster, role=f"r{i}")
+    return cluster
+
+
+def keys(cluster) -> list[str]:
+    return sorted(m.job_key for m in cluster.members.all())
+
+
+def answer(worker, cluster, size):
+    scores = [Score(job_id=k, missing_count=1, missing_nar_size=size) for k in keys(cluster)]
+    offers.record_scores(worker.pk, scores)
+
+
+def seated(cluster) -> set[int]:
+    attempt = ClusterAttempt.objects.get(cluster_job=cluster)
+    return set(
+        DispatchedJob.objects.filter(cluster_attempt=attempt).values_list("worker", flat=True)
+    )
+
+
+def test_a_new_cluster_is_offered_to_the_idle_seats_and_placed_on_their_answers():
+    dear, cheap, cheaper = idle_workers(3, kinds=("build",))
+    busy = idle_workers(1, kinds=("eval",))[0]  # no idle build slot: no seat, no offer
+    inbox = Inbox([dear, cheap, cheaper, busy])
+    cluster = cluster_of_builds(2)
+    result = run_pass()
+    assert result.claimed == [] and result.waiting_for_scores
+    for worker in (dear, cheap, cheaper):
+        [offer] = inbox.frames(worker)
+        assert offer["type"] == "JobOffer"
+        assert sorted(j["job_id"] for j in offer["jobs"]) == keys(cluster)
+    assert inbox.frames(busy) == []
+    assert JobScore.objects.filter(missing_nar_size__isnull=True).count() == 6
+    assert ClusterJob.objects.get(pk=cluster.pk).offered_at is not None
+
+    answer(dear, cluster, 900)
+    answer(cheap, cluster, 10)
+    assert run_pass().claimed == []  # one seat has not answered yet
+    answer(cheaper, cluster, 5)
+    assert run_pass().claimed == [cluster.pk]
+    assert seated(cluster) == {cheap.pk, cheaper.pk}
+
+
+def test_a_silent_seat_is_waited_for_no_longer_than_the_score_wait(settings):
+    answering, silent = idle_workers(2, kinds=("build",))
+    cluster = cluster_of_builds(2)
+    run_pass()
+    answer(answering, cluster, 10)
+    assert run_pass().claimed == []
+    ClusterJob.objects.filter(pk=cluster.pk).update(
+        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=61)
+    )
+    assert run_pass().claimed == [cluster.pk]
+    assert seated(cluster) == {answering.pk, silent.pk}
+
+
+def test_a_cluster_its_seats_have_all_scored_is_placed_at_once():
+    workers = idle_workers(2, kinds=("build",))
+    cluster = cluster_of_builds(2)
+    for worker in workers:
+        answer(worker, cluster, 1)
+    assert run_pass().claimed == [cluster.pk]
+
+
+def test_new_clusters_beyond_the_head_are_offered_by_a_later_pass(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
+    workers = idle_workers(6, kinds=("build",))
+    inbox = Inbox(workers)
+    first, second = cluster_of_builds(2), cluster_of_builds(2)
+    run_pass()
+    offered = {j["job_id"] for w in workers for f in inbox.frames(w) for j in f.get("jobs", ())}
+    assert offered == set(keys(first))  # the window: two build members
+    assert ClusterJob.objects.get(pk=second.pk).offered_at is None
+    for worker in workers:
+        answer(worker, first, 1)
+    assert run_pass().claimed == [first.pk]
+    offered = {j["job_id"] for w in workers for f in inbox.frames(w) for j in f.get("jobs", ())}
+    assert offered == set(keys(second))
+
+
+def test_with_no_score_wait_a_new_cluster_is_placed_at_once_and_nobody_is_asked(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}
+    workers = idle_workers(2, kinds=("build",))
+    inbox = Inbox(workers)
+    cluster = cluster_of_builds(2)
+    assert run_pass().claimed == [cluster.pk]
+    frames = [f for w in workers for f in inbox.frames(w)]
+    assert {f["type"] for f in frames} == {"AssignJob"}

@@ -1,0 +1,83 @@
+"""The single path over the head of the queue (workers.assignment, protocol.md): the cheapest
+single job of the worker's head, unscored the most expensive, ties to the older; a job first in
+line passed over by a window of younger ones goes first."""
+
+import pytest
+
+from gradient.jobs.models import DerivationBuild, DispatchedJob
+from tests.factories import BuildFactory, ProjectFactory, WorkerFactory, answered_scores
+from workers.assignment import request_job
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def small_window(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
+
+
+def queue(n, project=None):
+    project = project or ProjectFactory()
+    jobs = [BuildFactory(project=project) for _ in range(n)]
+    return sorted(jobs, key=lambda j: j.created_at)
+
+
+def given(worker) -> str:
+    assign = request_job(worker.pk, "build")
+    assert assign is not None
+    # The worker runs it and is free again for the next request.
+    DispatchedJob.objects.filter(job_id=assign.job_id).update(finished_at="2026-01-01T00:00Z")
+    return assign.job_id
+
+
+def test_the_cheapest_job_of_the_head_is_given_unscored_ones_last_ties_to_the_older():
+    worker = WorkerFactory()
+    oldest, tied_old, tied_young, cheap = queue(4)
+    answered_scores(
+        [
+            (worker, tied_old.job_key, 50),
+            (worker, tied_young.job_key, 50),
+            (worker, cheap.job_key, 10),
+        ]
+    )
+    assert [given(worker) for _ in range(4)] == [
+        cheap.job_key,
+        tied_old.job_key,
+        tied_young.job_key,
+        oldest.job_key,  # never scored: the most expensive
+    ]
+
+
+def test_a_cheaper_job_behind_the_head_waits_its_turn():
+    worker = WorkerFactory()
+    jobs = queue(6)
+    answered_scores([(worker, jobs[5].job_key, 0)] + [(worker, j.job_key, 90) for j in jobs[:5]])
+    assert given(worker) == jobs[0].job_key  # jobs[5] is not among the first 4
+
+
+def test_the_oldest_job_is_given_out_within_a_window_of_assignments_whatever_its_closure():
+    """A job whose closure every worker lacks would wait behind every cheaper one; once a
+    window of younger jobs has gone ahead of it, it goes first."""
+    workers = WorkerFactory.create_batch(3)
+    project = ProjectFactory()
+    huge = queue(1, project)[0]
+    for w in workers:
+        answered_scores([(w, huge.job_key, 10**12)])
+    order = []
+    for i in range(12):
+        cheap = BuildFactory(project=project)
+        for w in workers:
+            answered_scores([(w, cheap.job_key, 1)])
+        order.append(given(workers[i % 3]))
+        if huge.job_key in order:
+            break
+    assert huge.job_key in order, order
+    assert order.index(huge.job_key) == 4  # after exactly a window (4) of younger jobs
+
+
+def test_a_prioritized_job_goes_before_a_cheaper_one():
+    worker = WorkerFactory()
+    cheap, urgent = queue(2)
+    DerivationBuild.objects.filter(pk=urgent.pk).update(prioritized=True)
+    answered_scores([(worker, cheap.job_key, 0), (worker, urgent.job_key, 99)])
+    assert given(worker) == urgent.job_key
