@@ -14,9 +14,8 @@ a Python loop over pairs, and the solver only sees each member's k cheapest seat
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from itertools import repeat
-from operator import itemgetter
 
 import numpy as np
 
@@ -27,6 +26,9 @@ UNSCORED_COST = 2**80
 # The slot kinds and the capability each needs; a fetch-only worker (can_eval False) never
 # seats an eval member.
 KINDS = {"eval": "can_eval", "build": "can_build"}
+
+# One job key's scores: worker ids and their missing_nar_size, sorted by (size, worker id).
+type ScoreArrays = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -69,22 +71,23 @@ class Worker:
 class Snapshot:
     clusters: tuple[Cluster, ...]  # in priority order: prioritized first, then oldest
     workers: tuple[Worker, ...]
-    # (worker id, job key) -> missing_nar_size, answered scores only (a NULL size is no score).
-    scores: Mapping[tuple[int, str], int]
-    # The same, grouped: job key -> {worker id: missing_nar_size}. When set, plan() reads this
-    # instead of `scores`, which spares it regrouping every pair (about half its time at 4M
-    # pairs); the job_score query can fill it row by row.
-    scores_by_job: Mapping[str, Mapping[int, int]] | None = None
-    # The same again as arrays: job key -> (worker ids, sizes), two int64 arrays of one length
-    # sorted by (size, worker id), a worker at most once per key. When set, plan() reads this
-    # before anything else: a query can hand over millions of scores without a Python object
-    # per pair. load_scores gives the same.
-    score_arrays: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
+    # The answered scores (a NULL size is no score): job key -> (worker ids, missing_nar_size),
+    # two int64 arrays of one length sorted by (size, worker id), a worker at most once per key,
+    # so a query can hand over millions of scores without a Python object per pair.
+    # score_arrays() builds them from plain dicts.
+    score_arrays: Mapping[str, ScoreArrays] | None = None
     # Keys whose score_arrays hold only their cheapest scores, sorted by (size, worker id): a
     # prefix of the full list. plan() asks load_scores for a key's full arrays whenever its
     # cheapest could be too few to decide (see _place).
     truncated: frozenset[str] = frozenset()
-    load_scores: Callable[[list[str]], Mapping[str, tuple[np.ndarray, np.ndarray]]] | None = None
+    load_scores: Callable[[list[str]], Mapping[str, ScoreArrays]] | None = None
+    # clusters/dispatch.py still passes scores={}: taken while empty, as the planner reads
+    # score_arrays alone.
+    scores: InitVar[Mapping | None] = None
+
+    def __post_init__(self, scores):
+        if scores:
+            raise TypeError("Snapshot takes score_arrays, not flat scores")
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,17 @@ def placements(snapshot: Snapshot) -> Iterator[Placement]:
         if placement is not None:
             pool.take(placement)
             yield placement
+
+
+def score_arrays(by_job: Mapping[str, Mapping[int, int]]) -> dict[str, ScoreArrays]:
+    """Snapshot.score_arrays from {job key: {worker id: missing_nar_size}}."""
+    out = {}
+    for key, sizes_of in by_job.items():
+        ids = np.fromiter(sizes_of.keys(), np.int64, len(sizes_of))
+        sizes = np.fromiter(sizes_of.values(), np.int64, len(sizes_of))
+        order = np.lexsort((ids, sizes))  # by size, then worker id
+        out[key] = (ids[order], sizes[order])
+    return out
 
 
 def _place(cluster: Cluster, pool: "_Pool", scores: "_Scores") -> Placement | None:
@@ -498,39 +512,28 @@ _NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 class _Scores:
-    """Score rows per job key, read from score_arrays or scores_by_job when given, else
-    regrouped from scores. score_arrays and truncated are only asked about one key at a time,
-    as the planner reaches it, so a snapshot may hand them over while still reading them."""
+    """Score rows per job key, read from score_arrays. score_arrays and truncated are only
+    asked about one key at a time, as the planner reaches it, so a snapshot may hand them over
+    while still reading them."""
 
     def __init__(self, snapshot: Snapshot, pool: _Pool):
-        self._flat = snapshot.scores
-        self._by_job = snapshot.scores_by_job
-        self._arrays = snapshot.score_arrays
+        self._arrays = snapshot.score_arrays or {}
         self._truncated = snapshot.truncated
         self._full: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # rows complete() read
         self._load = snapshot.load_scores
         self._pool = pool
         self._rows: dict[str, _Row] = {}
-        if self._by_job is None and self._arrays is None:
-            keys = {m.key for c in snapshot.clusters for m in c.members}
-            self._rows = _regroup(snapshot.scores, keys, pool)
 
     def row(self, key: str) -> _Row:
         row = self._rows.get(key)
         if row is None:
-            complete, ordered = True, True
             if key in self._full:
                 ids, sizes = self._full[key]
-            elif self._arrays is not None:
+                complete = True
+            else:
                 ids, sizes = self._arrays.get(key, _NO_SCORES)
                 complete = key not in self._truncated
-            else:
-                by_worker = (self._by_job or {}).get(key, {})
-                ids = np.fromiter(by_worker.keys(), dtype=np.int64, count=len(by_worker))
-                sizes = np.fromiter(by_worker.values(), dtype=np.int64, count=len(by_worker))
-                ordered = False
-            row = _row(self._pool.column_of(ids), sizes, complete, ordered=ordered)
-            self._rows[key] = row
+            row = self._rows[key] = _row(self._pool.column_of(ids), sizes, complete)
         return row
 
     def complete(self, keys: list[str]) -> None:
@@ -543,33 +546,9 @@ class _Scores:
             self._rows.pop(key, None)
 
 
-def _row(columns: np.ndarray, sizes: np.ndarray, complete: bool = True, *, ordered=False) -> _Row:
-    """A row of these scores (columns -1 for workers not in the pool), `ordered` when they
-    come sorted by size already (the dispatch pass's lists: by size, then worker id)."""
+def _row(columns: np.ndarray, sizes: np.ndarray, complete: bool = True) -> _Row:
+    """A row of these scores, sorted by size already (columns -1 for workers not in the pool)."""
     known = columns >= 0  # a score from a worker that holds no idle slot is no use here
     if not known.all():
         columns, sizes = columns[known], sizes[known]
-    if not ordered:
-        order = np.argsort(sizes, kind="stable")
-        columns, sizes = columns[order], sizes[order]
     return _Row(columns, sizes, complete)
-
-
-def _regroup(scores: Mapping[tuple[int, str], int], keys: set[str], pool: _Pool) -> dict:
-    """Group the flat (worker id, job key) -> size mapping by job key, without a Python loop
-    per pair: the map() chains run in C, the grouping is one numpy sort."""
-    count = len(scores)
-    code = {key: i for i, key in enumerate(keys)}
-    # One more group for the pairs no member needs: other jobs, workers without an idle slot.
-    # Codes take the smallest dtype: numpy sorts 16-bit integers by radix, in linear time.
-    other = len(code)
-    jobs = np.fromiter(
-        map(code.get, map(itemgetter(1), scores), repeat(other)), np.min_scalar_type(other), count
-    )
-    columns = pool.column_of(np.fromiter(map(itemgetter(0), scores), np.int64, count))
-    jobs[columns < 0] = other
-    sizes = np.fromiter(scores.values(), np.int64, count)
-    order = np.argsort(jobs, kind="stable")
-    bounds = np.concatenate(([0], np.cumsum(np.bincount(jobs, minlength=other))))
-    groups = (order[bounds[i] : bounds[i + 1]] for i in range(other))
-    return {key: _row(columns[at], sizes[at]) for key, at in zip(code, groups, strict=True)}

@@ -70,8 +70,27 @@ def cluster(*members, id=1, same_zone=False):
     return Cluster(id=id, same_zone=same_zone, members=tuple(members))
 
 
+def arrays(scores: dict[tuple[int, str], int]) -> dict:
+    """Snapshot.score_arrays from flat scores, {(worker id, job key): missing_nar_size}."""
+    by_job: dict[str, dict[int, int]] = {}
+    for (worker_id, key), size in scores.items():
+        by_job.setdefault(key, {})[worker_id] = size
+    return planner.score_arrays(by_job)
+
+
+def flat(snap: Snapshot) -> dict[tuple[int, str], int]:
+    """The snapshot's scores as {(worker id, job key): missing_nar_size}."""
+    return {
+        (worker_id, key): size
+        for key, (ids, sizes) in (snap.score_arrays or {}).items()
+        for worker_id, size in zip(ids.tolist(), sizes.tolist(), strict=True)
+    }
+
+
 def snapshot(clusters, workers, scores=None):
-    return Snapshot(clusters=tuple(clusters), workers=tuple(workers), scores=scores or {})
+    return Snapshot(
+        clusters=tuple(clusters), workers=tuple(workers), score_arrays=arrays(scores or {})
+    )
 
 
 def names(placement: Placement) -> list[str]:
@@ -380,6 +399,7 @@ def brute_force_cost(c: Cluster, workers: list[Worker], scores) -> int | None:
 
 def assert_sound(snap: Snapshot, placements: list[Placement]) -> None:
     clusters = {c.id: c for c in snap.clusters}
+    scores = flat(snap)
     used = [seat.worker.id for p in placements for seat in p.seats]
     assert len(used) == len(set(used)), "a worker seated twice in one pass"
     for p in placements:
@@ -387,7 +407,7 @@ def assert_sound(snap: Snapshot, placements: list[Placement]) -> None:
         assert [seat.member for seat in p.seats] == list(c.members)
         for seat in p.seats:
             assert seat_reason(seat.member, seat.worker) is None
-            assert seat.missing_nar_size == snap.scores.get((seat.worker.id, seat.member.key))
+            assert seat.missing_nar_size == scores.get((seat.worker.id, seat.member.key))
         if c.same_zone:
             assert {seat.worker.zone for seat in p.seats} == {p.zone}
         else:
@@ -405,7 +425,7 @@ def test_each_placement_is_the_cheapest_seating_left_in_the_pass(seed):
     taken: set[int] = set()
     for c in snap.clusters:
         left = [w for w in snap.workers if w.id not in taken]
-        best = brute_force_cost(c, left, snap.scores)
+        best = brute_force_cost(c, left, flat(snap))
         assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
         if c.id in placed:
             taken |= {seat.worker.id for seat in placed[c.id].seats}
@@ -415,6 +435,7 @@ def test_each_placement_is_the_cheapest_seating_left_in_the_pass(seed):
 def test_seat_reason_agrees_with_the_planner(seed):
     snap = random_snapshot(seed, clusters=12, workers=15, most_members=1)
     members = [m for c in snap.clusters for m in c.members]
+    scores = flat(snap)
     reasons = set()
 
     # Pair by pair, through plan().
@@ -422,7 +443,7 @@ def test_seat_reason_agrees_with_the_planner(seed):
         for w in snap.workers:
             reason = seat_reason(m, w)
             reasons.add(reason)
-            placed = plan(snapshot([cluster(m)], [w], snap.scores))
+            placed = plan(snapshot([cluster(m)], [w], scores))
             assert (placed != []) == (reason is None), (m, w, reason)
     # And the cached masks over the whole pool, in its own (zone-sorted) column order.
     pool = planner._Pool(snap.workers)
@@ -433,15 +454,22 @@ def test_seat_reason_agrees_with_the_planner(seed):
     assert None in reasons and len(reasons) >= 4
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_scores_by_job_plans_like_the_flat_scores(seed):
-    snap = random_snapshot(seed, clusters=8, workers=10, most_members=4)
-    by_job: dict[str, dict[int, int]] = {}
-    for (worker_id, key), size in snap.scores.items():
-        by_job.setdefault(key, {})[worker_id] = size
-    grouped = dataclasses.replace(snap, scores={}, scores_by_job=by_job)
+def test_score_arrays_sort_each_jobs_scores_by_size_then_worker_id():
+    by_job = {"build:a": {3: 7, 1: 7, 2: 0, 9: 5}, "build:b": {}}
 
-    assert plan(grouped) == plan(snap)
+    built = planner.score_arrays(by_job)
+
+    assert {k: (ids.tolist(), sizes.tolist()) for k, (ids, sizes) in built.items()} == {
+        "build:a": ([2, 9, 1, 3], [0, 5, 7, 7]),
+        "build:b": ([], []),
+    }
+    assert all(ids.dtype == sizes.dtype == np.int64 for ids, sizes in built.values())
+
+
+def test_a_snapshot_refuses_flat_scores():
+    with pytest.raises(TypeError):
+        Snapshot(clusters=(), workers=(), scores={(1, "build:a"): 0})
+    assert plan(Snapshot(clusters=(), workers=(), scores={})) == []
 
 
 def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
@@ -449,14 +477,14 @@ def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
     worker id), and a loader for the full lists (the keys it was asked for are recorded)."""
     full: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     by_job: dict[str, list[tuple[int, int]]] = {}
-    for (worker_id, key), size in snap.scores.items():
+    for (worker_id, key), size in flat(snap).items():
         by_job.setdefault(key, []).append((size, worker_id))
     for key, pairs in by_job.items():
         pairs.sort()
         full[key] = (np.array([w for _, w in pairs]), np.array([s for s, _ in pairs]))
-    arrays, truncated = {}, set()
+    prefixes, truncated = {}, set()
     for key, (ids, sizes) in full.items():
-        arrays[key] = (ids[:keep], sizes[:keep])
+        prefixes[key] = (ids[:keep], sizes[:keep])
         if ids.size > keep:
             truncated.add(key)
     asked: list = []
@@ -466,7 +494,7 @@ def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
         return {k: full[k] for k in keys if k in full}
 
     cheap = dataclasses.replace(
-        snap, scores={}, score_arrays=arrays, truncated=frozenset(truncated), load_scores=load
+        snap, score_arrays=prefixes, truncated=frozenset(truncated), load_scores=load
     )
     return cheap, asked
 
@@ -486,7 +514,7 @@ def test_the_cheapest_scores_alone_place_at_the_same_least_cost(seed, keep):
     taken: set[int] = set()
     for c in snap.clusters:
         left = [w for w in snap.workers if w.id not in taken]
-        best = brute_force_cost(c, left, snap.scores)
+        best = brute_force_cost(c, left, flat(snap))
         assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
         if c.id in placed:
             taken |= {seat.worker.id for seat in placed[c.id].seats}
@@ -496,8 +524,9 @@ def test_the_cheapest_scores_alone_place_at_the_same_least_cost(seed, keep):
 def test_the_cheapest_scores_alone_give_the_same_placements_without_ties(seed):
     snap = benchmark_snapshot(clusters=150, workers=600, seed=seed)
     rng = random.Random(seed)
-    sizes = rng.sample(range(10 * 2**30), len(snap.scores))  # distinct: a single optimum
-    snap = dataclasses.replace(snap, scores=dict(zip(snap.scores, sizes, strict=True)))
+    scores = flat(snap)
+    sizes = rng.sample(range(10 * 2**30), len(scores))  # distinct: a single optimum
+    snap = dataclasses.replace(snap, score_arrays=arrays(dict(zip(scores, sizes, strict=True))))
     cheap, asked = cheapest_only(snap, keep=16)
 
     assert plan(cheap) == plan(snap)
@@ -565,14 +594,10 @@ def time_plan(snap: Snapshot, runs: int = 5) -> tuple[float, float, int]:
 
 if __name__ == "__main__":
     snap = benchmark_snapshot()
-    by_job: dict[str, dict[int, int]] = {}
-    for (worker_id, key), size in snap.scores.items():
-        by_job.setdefault(key, {})[worker_id] = size
-    grouped = dataclasses.replace(snap, scores={}, scores_by_job=by_job)
-    print(f"{len(snap.clusters)} clusters, {len(snap.workers)} workers, {len(snap.scores)} scores")
-    for label, s in (("scores (flat)", snap), ("scores_by_job", grouped)):
-        wall, cpu, placed = time_plan(s)
-        print(f"{label}: {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU, {placed} placed")
+    scored = sum(ids.size for ids, _ in snap.score_arrays.values())
+    print(f"{len(snap.clusters)} clusters, {len(snap.workers)} workers, {scored} scores")
+    wall, cpu, placed = time_plan(snap)
+    print(f"plan: {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU, {placed} placed")
 
 
 def test_a_worker_that_left_the_last_prepare_unanswered_is_seated_only_when_needed():
