@@ -23,6 +23,7 @@ from clusters.planner import (
     plan,
     seat_reason,
 )
+from clusters.pool import Pool
 
 X86 = "x86_64-linux"
 ARM = "aarch64-linux"
@@ -446,7 +447,7 @@ def test_seat_reason_agrees_with_the_planner(seed):
             placed = plan(snapshot([cluster(m)], [w], scores))
             assert (placed != []) == (reason is None), (m, w, reason)
     # And the cached masks over the whole pool, in its own (zone-sorted) column order.
-    pool = planner._Pool(snap.workers)
+    pool = Pool(snap.workers)
     for m in members:
         expected = [seat_reason(m, w) is None for w in pool.workers]
         assert pool.eligible(m).tolist() == expected, m
