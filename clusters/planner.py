@@ -12,7 +12,7 @@ on its k x workers matrix, never a Python loop over pairs, and the solver only s
 member's k cheapest seats (clusters.matching).
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import InitVar, dataclass
 from itertools import repeat
 
@@ -137,6 +137,35 @@ def placements(snapshot: Snapshot) -> Iterator[Placement]:
         if placement is not None:
             pool.take(placement)
             yield placement
+
+
+# What explain_cluster asks of the planner, so that it tells what a pass would do.
+
+
+def eligible(members: Iterable[Member], workers: Iterable[Worker]) -> list[frozenset[int]]:
+    """Per member, the ids of the workers that are a seat for it: plan()'s own masks, before
+    zones and before any worker is taken."""
+    pool = Pool(tuple(workers))
+    return [frozenset(pool.ids[pool.eligible(m)].tolist()) for m in members]
+
+
+def zones(workers: Iterable[Worker]) -> list[tuple[str | None, frozenset[int]]]:
+    """The zones a same_zone cluster may sit in, in plan()'s order (also its tie-break between
+    zones of equal cost), each with the ids of its workers."""
+    pool = Pool(tuple(workers))
+    return [(zone, frozenset(pool.ids[at].tolist())) for zone, at in pool.groups(same_zone=True)]
+
+
+def match(seats: Sequence[Collection[int]]) -> list[int] | None:
+    """A worker id per member, each on a worker of its own among its seats, or None when no
+    such seating exists: plan()'s solver, every seat at one cost."""
+    columns = sorted(set().union(*seats))
+    at = {worker_id: column for column, worker_id in enumerate(columns)}
+    cost = np.full((len(seats), len(columns)), np.inf)
+    for row, ids in enumerate(seats):
+        cost[row, [at[worker_id] for worker_id in ids]] = 0.0
+    seating = matching.solve(cost)
+    return None if seating is None else [columns[column] for column in seating.tolist()]
 
 
 def score_arrays(by_job: Mapping[str, Mapping[int, int]]) -> dict[str, ScoreArrays]:

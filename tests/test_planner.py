@@ -451,8 +451,42 @@ def test_seat_reason_agrees_with_the_planner(seed):
     for m in members:
         expected = [seat_reason(m, w) is None for w in pool.workers]
         assert pool.eligible(m).tolist() == expected, m
+    # And what explain_cluster reads of them.
+    assert planner.eligible(members, snap.workers) == [
+        frozenset(w.id for w in snap.workers if seat_reason(m, w) is None) for m in members
+    ]
 
     assert None in reasons and len(reasons) >= 4
+
+
+def test_zones_come_named_in_order_then_the_zoneless_workers():
+    workers = [worker(1, zone="b"), worker(2), worker(3, zone="a"), worker(4, zone="b")]
+
+    assert planner.zones(workers) == [
+        ("a", frozenset({3})),
+        ("b", frozenset({1, 4})),
+        (None, frozenset({2})),
+    ]
+    assert planner.zones(workers[:1]) == [("b", frozenset({1}))]
+    assert planner.zones([]) == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_match_seats_every_member_on_its_own_worker_whenever_one_can(seed):
+    rng = random.Random(seed)
+    members = rng.randint(1, 5)
+    seats = [{w for w in range(1, 6) if rng.random() < 0.4} for _ in range(members)]
+    possible = any(
+        all(w in s for w, s in zip(seating, seats, strict=True))
+        for seating in itertools.permutations(range(1, 6), members)
+    )
+
+    found = planner.match(seats)
+
+    assert (found is not None) == possible, seats
+    if found is not None:
+        assert len(set(found)) == members
+        assert all(w in s for w, s in zip(found, seats, strict=True))
 
 
 def test_score_arrays_sort_each_jobs_scores_by_size_then_worker_id():
