@@ -108,21 +108,28 @@ def assert_sound(snap: Snapshot, placements: list[Placement]) -> None:
             assert p.zone is None
 
 
+def assert_cheapest_in_turn(snap: Snapshot, placements: list[Placement]) -> None:
+    """Sound placements, each cluster's at the least cost over the workers that the clusters
+    before it left (none where no seating exists)."""
+    assert_sound(snap, placements)
+    scores = flat(snap)
+    placed = {p.cluster_id: p for p in placements}
+    taken: set[int] = set()
+    for c in snap.clusters:
+        left = [w for w in snap.workers if w.id not in taken]
+        best = brute_force_cost(c, left, scores)
+        assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
+        if c.id in placed:
+            taken |= {seat.worker.id for seat in placed[c.id].seats}
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_each_placement_is_the_cheapest_seating_left_in_the_pass(seed):
     snap = random_snapshot(seed, clusters=5, workers=8, most_members=4)
 
     placements = plan(snap)
 
-    assert_sound(snap, placements)
-    placed = {p.cluster_id: p for p in placements}
-    taken: set[int] = set()
-    for c in snap.clusters:
-        left = [w for w in snap.workers if w.id not in taken]
-        best = brute_force_cost(c, left, flat(snap))
-        assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
-        if c.id in placed:
-            taken |= {seat.worker.id for seat in placed[c.id].seats}
+    assert_cheapest_in_turn(snap, placements)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -207,15 +214,7 @@ def test_the_cheapest_scores_alone_place_at_the_same_least_cost(seed, keep):
 
     placements = plan(cheap)
 
-    assert_sound(snap, placements)
-    placed = {p.cluster_id: p for p in placements}
-    taken: set[int] = set()
-    for c in snap.clusters:
-        left = [w for w in snap.workers if w.id not in taken]
-        best = brute_force_cost(c, left, flat(snap))
-        assert (placed[c.id].cost if c.id in placed else None) == best, f"cluster {c.id}"
-        if c.id in placed:
-            taken |= {seat.worker.id for seat in placed[c.id].seats}
+    assert_cheapest_in_turn(snap, placements)
 
 
 @pytest.mark.parametrize("seed", range(5))
