@@ -26,7 +26,6 @@ missing, emptied before each fleet size) and Redis database 11.
 
 import argparse
 import asyncio
-import os
 import random
 import shlex
 import statistics
@@ -144,20 +143,16 @@ def make_workers(count: int, single_share: float) -> list[tuple[str, str, str]]:
     return rows
 
 
-class Feeder:
+class Feeder(common.Feeder):
     """Keeps both queues full from a thread: every tick, tops the queued single jobs and the
     queued clusters up to their targets. Records the smallest queue it saw in the window."""
 
-    TICK = 0.25
-
     def __init__(self, single_target: int, cluster_target: int, seed: int = 7):
+        super().__init__(tick=0.25)
         self.single_target, self.cluster_target = single_target, cluster_target
         self.rng = random.Random(seed)
-        self.stop = threading.Event()
         self.submitted = Counter()
         self.low = {"singles": None, "clusters": None}  # smallest queue seen while measuring
-        self.measuring = False
-        self.error: BaseException | None = None
 
     def queued(self) -> tuple[int, int]:
         from clusters.models import ClusterJob, ClusterStatus
@@ -199,75 +194,19 @@ class Feeder:
             self.submitted["clusters"] += 1
             self.submitted["members"] += k
 
-    def run(self) -> None:
+
+def closing(fn):
+    """fn, then the calling thread's database connection closed: for asyncio.to_thread."""
+
+    def run():
         from django.db import connection
 
         try:
-            while not self.stop.is_set():
-                began = time.monotonic()
-                self.top_up()
-                self.stop.wait(max(0.0, self.TICK - (time.monotonic() - began)))
-        except BaseException as exc:
-            self.error = exc
+            return fn()
         finally:
             connection.close()
 
-
-def database_backends() -> list[int]:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid()"
-        )
-        return [row[0] for row in cursor.fetchall()]
-
-
-class CpuMeter:
-    """CPU seconds spent by each part of the stack between start() and stop(): where the
-    time goes. PostgreSQL is its backends serving the bench database (a backend that closed
-    before stop() is missed). Both are called in a thread: they query the database."""
-
-    def __init__(self, procs: common.Processes):
-        self.pids = {"daphne": [], "celery": []}
-        for proc, _ in procs.procs:
-            web = "gradient.serve" in proc.args or "daphne" in proc.args[0]
-            self.pids["daphne" if web else "celery"].append(proc.pid)
-
-    def _sample(self, backends) -> dict:
-        out = {name: sum(map(common.cpu_secs, pids)) for name, pids in self.pids.items()}
-        # This process alone (daphne and Celery are its children), with the feeder thread.
-        out["fleet"] = common.cpu_secs(os.getpid(), children=False)
-        out["backends"] = {pid: common.cpu_secs(pid) for pid in backends}
-        return out
-
-    def start(self) -> None:
-        from django.db import connection
-
-        self.began = self._sample(database_backends())
-        connection.close()
-
-    def stop(self) -> dict[str, float]:
-        from django.db import connection
-
-        before = self.began
-        now = self._sample(set(database_backends()) | set(before["backends"]))
-        connection.close()
-        spent = {name: now[name] - before[name] for name in (*self.pids, "fleet")}
-        spent["postgres"] = sum(
-            max(0.0, secs - before["backends"].get(pid, 0.0))
-            for pid, secs in now["backends"].items()
-        )
-        return spent
-
-
-def analyze() -> None:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {', '.join(common.project_tables())}")
-    connection.close()
+    return run
 
 
 def outcomes() -> dict:
@@ -291,7 +230,7 @@ def outcomes() -> dict:
     return {"jobs": jobs, "attempts": attempts}
 
 
-async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
+async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) -> dict:
     from gradient import heap
     from workers.simulator import WorkerConfig
 
@@ -321,18 +260,18 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: CpuMeter) -> dict:
         # Statistics, as autovacuum keeps them on a database in use: this one was emptied
         # moments ago, and with row estimates of 1 PostgreSQL plans the candidates' anti-join
         # on dispatched_job as a scan of every open row per job (50 ms instead of 1).
-        await asyncio.to_thread(analyze)
+        await asyncio.to_thread(closing(common.analyze))
         await asyncio.sleep(args.warmup / 2)
-        await asyncio.to_thread(analyze)
+        await asyncio.to_thread(closing(common.analyze))
         await asyncio.sleep(args.warmup / 2)
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
-        await asyncio.to_thread(meter.start)
+        await asyncio.to_thread(closing(meter.start))
         since = time.monotonic()
         before = dict(tally.events)
         await asyncio.sleep(args.window)
         until = time.monotonic()
-        cpu = await asyncio.to_thread(meter.stop)
+        cpu = await asyncio.to_thread(closing(meter.stop))
         feeder.measuring = False
         # Before the fleet stops: its disconnects abandon whatever the workers hold.
         ended = await asyncio.to_thread(outcomes)
@@ -391,7 +330,13 @@ def run_one(count: int, args) -> dict:
         procs.daphne(port)
         procs.celery()
         url = f"ws://127.0.0.1:{port}/proto"
-        result = asyncio.run(drive(url, rows, args, feeder, CpuMeter(procs)))
+        groups = {
+            "daphne": procs.pids("daphne"),
+            "celery": procs.pids("celery-worker", "celery-beat"),
+        }
+        # This process alone is the fleet, with the feeder thread.
+        meter = common.CpuMeter(groups, this_process="fleet")
+        result = asyncio.run(drive(url, rows, args, feeder, meter))
         # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
         crashed = common.crashes(procs.log_text("daphne")) + common.crashes(
             procs.log_text("celery-worker")
