@@ -354,6 +354,12 @@ def tracebacks(log: str) -> int:
     return sum(line.startswith("Traceback") for line in log.splitlines())
 
 
+def log_problems(procs: Processes) -> tuple[list[str], int]:
+    """daphne's and the Celery worker's crash lines, and their tracebacks of any kind."""
+    logs = [procs.log_text("daphne"), procs.log_text("celery-worker")]
+    return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+
+
 def percentile(xs: list[float], p: float) -> float:
     """The p-th percentile (0..100), linear between the closest ranks."""
     if len(xs) == 1:

@@ -338,12 +338,7 @@ def run_one(count: int, args) -> dict:
         meter = common.CpuMeter(groups, this_process="fleet")
         result = asyncio.run(drive(url, rows, args, feeder, meter))
         # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
-        crashed = common.crashes(procs.log_text("daphne")) + common.crashes(
-            procs.log_text("celery-worker")
-        )
-        result["tracebacks"] = common.tracebacks(procs.log_text("daphne")) + common.tracebacks(
-            procs.log_text("celery-worker")
-        )
+        crashed, result["tracebacks"] = common.log_problems(procs)
     finally:
         procs.stop()
         common.flush_redis(env["REDIS_URL"])
