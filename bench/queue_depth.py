@@ -28,6 +28,7 @@ missing, emptied before each depth) and Redis database 13.
 
 import argparse
 import io
+import itertools
 import json
 import os
 import shlex
@@ -114,12 +115,17 @@ def connected_workers() -> int:
     return Worker.objects.filter(channel_name__isnull=False).count()
 
 
-def score_rows() -> int:
+def score_rows() -> tuple[int, int]:
+    """job_score's rows, and those of them for builds still queued (the rest wait for the
+    pruning pass)."""
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM job_score")
-        return cursor.fetchone()[0]
+        cursor.execute(
+            "SELECT count(*), count(b.id) FROM job_score s LEFT JOIN derivation_build b"
+            " ON b.status = 'Queued' AND s.job_id = 'build:' || b.id::text"
+        )
+        return cursor.fetchone()
 
 
 def active_statements(exclude: list[int]) -> list[str]:
@@ -136,6 +142,12 @@ def active_statements(exclude: list[int]) -> list[str]:
             [exclude],
         )
         return [row[0] for row in cursor.fetchall()]
+
+
+def completed_since(since) -> int:
+    from gradient.jobs.models import DispatchedJob
+
+    return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
 
 
 def window_outcomes(since, until) -> Counter:
@@ -158,6 +170,7 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     from django.utils import timezone
 
     depths, scores, statements = [], [], Counter()
+    progress = []  # at each job_score count: (s into the window, builds completed, queued's rows)
     step = args.window / (args.samples - 1)
     load_start = common.load()
     feeder.measuring = True
@@ -167,7 +180,9 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     while True:
         now = time.monotonic()
         if now >= next_score - 0.05:
-            scores.append(score_rows())
+            rows, live = score_rows()
+            scores.append(rows)
+            progress.append((now - began, completed_since(since), live))
             next_score += step
         depths.append(queued())
         statements.update(active_statements(own))
@@ -186,6 +201,7 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
         "failed": ended.get("Failed", 0),
         "abandoned": ended.get("Abandoned", 0),
         "scores": scores,
+        "progress": progress,
         "held": depths + feeder.seen,
         "statements": statements,
         "cpu": {name: s / secs for name, s in cpu.items()},  # cores
@@ -303,6 +319,14 @@ def run_one(depth: int, args) -> dict:
     return result
 
 
+def part_rates(r: dict) -> list[float]:
+    """Builds completed per second in each part of the window between two job_score counts."""
+    return [
+        (done1 - done0) / (t1 - t0)
+        for (t0, done0, _), (t1, done1, _) in itertools.pairwise(r["progress"])
+    ]
+
+
 def report(r: dict) -> None:
     held = r["held"]
     top = r["statements"].most_common(3)
@@ -317,6 +341,14 @@ def report(r: dict) -> None:
         f" {len(r['crashes'])} crash line(s), {r['tracebacks']} traceback(s); logs in {r['logs']}",
         flush=True,
     )
+    for ((t0, _, _), (t1, _, live)), rate in zip(
+        itertools.pairwise(r["progress"]), part_rates(r), strict=True
+    ):
+        print(
+            f"  {t0:4.0f} to {t1:3.0f} s: {rate:6.1f} builds/s;"
+            f" at {t1:.0f} s {live:,} job_score rows for queued builds",
+            flush=True,
+        )
     for statement, n in top:
         print(f"  active {n}/{samples} samples: {statement}", flush=True)
     for line in r["crashes"][:5]:
@@ -334,6 +366,7 @@ def mark(ok: bool) -> str:
 HEADER = [
     "builds queued (N)",
     "builds completed/s",
+    "builds/s in the window's first / last part (steady if alike)",
     "job_score rows: max / median",
     "queue held: min / max",
     "jobs failed / abandoned",
@@ -362,6 +395,7 @@ def rows(results: list[dict], workers: int) -> list[list]:
             [
                 f"{r['depth']:,}{short}",
                 f"{r['rate']:.1f}",
+                f"{part_rates(r)[0]:.1f} / {part_rates(r)[-1]:.1f}",
                 f"{max(r['scores']):,} / {statistics.median(r['scores']):,.0f}",
                 f"{min(r['held']):,} / {max(r['held']):,}",
                 f"{r['failed']} / {r['abandoned']}",
@@ -401,8 +435,11 @@ def section(command: str, results: list[dict], args) -> str:
         " dispatched_job rows that ended Completed in the window, over its length; jobs"
         " failed / abandoned: those that ended Failed / Abandoned in it.\n"
         f"- job_score rows: `count(*)` at {args.samples} evenly spaced times from the window's"
-        f" start to its end. Bound: workers x 2 x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x"
-        f" {OFFER_WINDOW} ({window_source}) = {score_limit(args.workers):,}.\n"
+        " start to its end, the rows of builds already finished among them. Bound: workers x 2"
+        f" x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x {OFFER_WINDOW} ({window_source}) ="
+        f" {score_limit(args.workers):,}. The window's parts are the"
+        f" {args.window / (args.samples - 1):g} s between two counts: the first and the last"
+        " show whether the rate was steady.\n"
         "- Cores used: CPU seconds over the window from `/proc`, divided by its length: daphne"
         " (the launcher and its daphne processes), Celery (worker, pool, beat), PostgreSQL (the"
         " backends serving the bench database, autovacuum's among them, but the bench's own),"
