@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -422,6 +422,23 @@ def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def finish(
+    header: list[str],
+    rows: list[list],
+    write: Path | None,
+    title: str,
+    section: Callable[[], str],
+    crashed: bool,
+) -> None:
+    """A script's end: its table printed, its section written with --write (made only then:
+    it asks the database about the machine), exit status 1 if a consumer or task crashed."""
+    print(table(header, rows), flush=True)
+    if write:
+        write_section(write, title, section())
+    if crashed:
+        sys.exit(1)
 
 
 def raise_open_files(workers: int) -> int:

@@ -557,11 +557,14 @@ def main() -> None:
     common.setup(args.database, REDIS_DB)
     print(command, flush=True)
     results = [run_one(n, args) for n in fleets]
-    print(common.table(HEADER, rows(results)), flush=True)
-    if args.write:
-        common.write_section(args.write, SECTION, section(command, results, args))
-    if any(r["crashes"] for r in results):
-        sys.exit(1)
+    common.finish(
+        HEADER,
+        rows(results),
+        args.write,
+        SECTION,
+        lambda: section(command, results, args),
+        crashed=any(r["crashes"] for r in results),
+    )
 
 
 if __name__ == "__main__":
