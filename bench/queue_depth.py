@@ -283,7 +283,8 @@ def run_one(depth: int, args) -> dict:
         time.sleep(args.warmup / 2)
         common.analyze()
         time.sleep(args.warmup / 2)
-        own = [backend_pid(), feeder.backend]
+        # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
+        own = [pid for pid in (backend_pid(), feeder.backend) if pid is not None]
         groups = {
             "daphne": procs.pids("daphne"),
             "celery": procs.pids("celery-worker", "celery-beat"),
