@@ -12,7 +12,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -92,6 +94,104 @@ def cpu_secs(pid: int, children: bool = True) -> float:
     return total
 
 
+def database_backends(exclude: Iterable[int] = ()) -> list[int]:
+    """The PostgreSQL backends serving the bench database (autovacuum's among them), but the
+    one asking and those in `exclude` (the bench's own connections)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s)",
+            [list(exclude)],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+class CpuMeter:
+    """CPU seconds spent by each part of the stack between start() and stop(), from /proc:
+    each named group of processes (with their descendants), this process alone under
+    `this_process` (daphne and Celery are its children), and the PostgreSQL backends serving
+    the bench database as "postgres". A backend that closed before stop() counts up to the
+    last observe() that saw it. The three query the database (the asking backend is left out)."""
+
+    def __init__(
+        self,
+        groups: dict[str, list[int]],
+        this_process: str | None = None,
+        exclude_backends: Iterable[int] = (),
+    ):
+        self.groups, self.this_process = groups, this_process
+        self.exclude = set(exclude_backends)
+        self.first: dict[int, float] = {}  # backend pid -> CPU s when first seen
+        self.last: dict[int, float] = {}  # ... and when last seen
+        self.starting = False
+
+    def _processes(self) -> dict[str, float]:
+        out = {name: sum(map(cpu_secs, pids)) for name, pids in self.groups.items()}
+        if self.this_process is not None:
+            out[self.this_process] = cpu_secs(os.getpid(), children=False)
+        return out
+
+    def observe(self) -> None:
+        for pid in set(database_backends(self.exclude)) | set(self.last):
+            secs = cpu_secs(pid)  # 0 once it exited: the last reading stays
+            # One that connected after start() spent all its CPU since.
+            self.first.setdefault(pid, secs if self.starting else 0.0)
+            self.last[pid] = max(self.last.get(pid, 0.0), secs)
+
+    def start(self) -> None:
+        self.first.clear()
+        self.last.clear()
+        self.starting = True
+        self.observe()
+        self.starting = False
+        self.began = self._processes()
+
+    def stop(self) -> dict[str, float]:
+        self.observe()
+        now = self._processes()
+        spent = {name: now[name] - self.began[name] for name in now}
+        spent["postgres"] = sum(self.last[pid] - self.first[pid] for pid in self.last)
+        return spent
+
+
+def analyze() -> None:
+    """Statistics, as autovacuum keeps them on a database in use: one emptied moments ago
+    has row estimates of 1, and PostgreSQL plans the hot statements as for empty tables."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {', '.join(project_tables())}")
+
+
+class Feeder:
+    """Keeps a queue topped up from a thread: top_up() every `tick` seconds until `stop` is
+    set. An exception ends it and is kept in `error`, for the caller to raise."""
+
+    def __init__(self, tick: float = 0.25):
+        self.tick = tick
+        self.stop = threading.Event()
+        self.measuring = False  # set by the caller over the window
+        self.error: BaseException | None = None
+
+    def top_up(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        from django.db import connection
+
+        try:
+            while not self.stop.is_set():
+                began = time.monotonic()
+                self.top_up()
+                self.stop.wait(max(0.0, self.tick - (time.monotonic() - began)))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connection.close()
+
+
 def process_env(**extra) -> dict:
     """The environment of a daphne or Celery process: the bench database and Redis database
     that setup() chose."""
@@ -146,6 +246,7 @@ class Processes:
     def __init__(self, env: dict, logs: Path):
         self.env, self.logs = env, logs
         self.procs: list[tuple[subprocess.Popen, object]] = []
+        self.names: dict[int, str] = {}  # pid -> the name given to start()
         logs.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -159,7 +260,12 @@ class Processes:
             start_new_session=True,
         )
         self.procs.append((proc, log))
+        self.names[proc.pid] = name
         return proc
+
+    def pids(self, *names: str) -> list[int]:
+        """The processes started under these names (a meter's group)."""
+        return [proc.pid for proc, _ in self.procs if self.names[proc.pid] in names]
 
     @staticmethod
     def daphne_args(port: int) -> tuple[str, ...]:
@@ -248,6 +354,12 @@ def tracebacks(log: str) -> int:
     return sum(line.startswith("Traceback") for line in log.splitlines())
 
 
+def log_problems(procs: Processes) -> tuple[list[str], int]:
+    """daphne's and the Celery worker's crash lines, and their tracebacks of any kind."""
+    logs = [procs.log_text("daphne"), procs.log_text("celery-worker")]
+    return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+
+
 def percentile(xs: list[float], p: float) -> float:
     """The p-th percentile (0..100), linear between the closest ranks."""
     if len(xs) == 1:
@@ -310,6 +422,23 @@ def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def finish(
+    header: list[str],
+    rows: list[list],
+    write: Path | None,
+    title: str,
+    section: Callable[[], str],
+    crashed: bool,
+) -> None:
+    """A script's end: its table printed, its section written with --write (made only then:
+    it asks the database about the machine), exit status 1 if a consumer or task crashed."""
+    print(table(header, rows), flush=True)
+    if write:
+        write_section(write, title, section())
+    if crashed:
+        sys.exit(1)
 
 
 def raise_open_files(workers: int) -> int:

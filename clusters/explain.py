@@ -2,10 +2,11 @@
 
 Either it is not waiting for seats at all (not Queued, or Queued but kept out of the cluster
 book by tracking), or it is in the book and explain() says, per member, which connected
-workers could seat it now and why each other one cannot. The capability reasons come from
-planner.seat_reason, so this never disagrees with the planner. When every member has a seat
-but no placement on distinct workers exists, the smallest set of members breaking Hall's
-condition names the members and the workers they compete for.
+workers could seat it now and why each other one cannot. Who may seat whom, the zones and their
+order, and whether the members fit on workers of their own are the planner's own answers
+(planner.eligible, zones, match, seat_reason), so this never disagrees with a dispatch pass.
+When every member has a seat but no placement on distinct workers exists, the smallest set of
+members breaking Hall's condition names the members and the workers they compete for.
 """
 
 from collections import Counter
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from itertools import combinations
 
-import numpy as np
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
@@ -108,30 +108,28 @@ def _seating(cluster: ClusterJob, members: list, now, reserved: dict[int, int]) 
     labels = [f"{m.role}/{m.index}" for m in rows]
     workers = _connected(now)
     names = {w.view.id: w.view.name for w in workers}
+    # The workers a dispatch pass would plan this cluster over (the views hold live slots only).
+    idle = [w.view for w in workers if not w.draining and _free(reserved, w, cluster.pk)]
+    seats = [set(ids) for ids in planner.eligible(rows, idle)]
     # worker id -> the first reason it cannot seat the member, None where it can.
     reasons = [
-        {w.view.id: _reason(m, w, reserved.get(w.view.id), cluster.pk) for w in workers}
-        for m in rows
+        {w.view.id: _reason(m, w, ids, reserved, cluster.pk) for w in workers}
+        for m, ids in zip(rows, seats, strict=True)
     ]
-    seats = [{w for w, r in by_worker.items() if r is None} for by_worker in reasons]
 
     out: dict = {"members": []}
     if cluster.same_zone:
-        zones: dict[str | None, set[int]] = {}
-        for w in workers:
-            zones.setdefault(w.view.zone, set()).add(w.view.id)
-        # The planner's zone order: named zones sorted, then the zoneless workers.
-        order = sorted(zones, key=lambda z: (z is None, z or ""))
-        full = [z for z in order if _matched([s & zones[z] for s in seats])]
+        zones = planner.zones(w.view for w in workers)
+        full = [z for z, ids in zones if planner.match([s & ids for s in seats]) is not None]
         short = [
-            {"zone": z, **_shortfall([s & zones[z] for s in seats], labels, names)}
-            for z in order
+            {"zone": z, **_shortfall([s & ids for s in seats], labels, names)}
+            for z, ids in zones
             if z not in full
         ]
         out["zones"] = {"full": full, "short": short}
         if full:
             # Only zones seating every member count: a seat elsewhere is in another zone.
-            inside = set().union(*(zones[z] for z in full))
+            inside = set().union(*(ids for z, ids in zones if z in full))
             for by_worker in reasons:
                 for w, r in by_worker.items():
                     if r is None and w not in inside:
@@ -151,7 +149,7 @@ def _seating(cluster: ClusterJob, members: list, now, reserved: dict[int, int]) 
                 "others": [{"worker": names[w], "reason": r} for w, r in by_worker.items() if r],
             }
         )
-    if all(seats) and not _matched(seats):
+    if all(seats) and planner.match(seats) is None:
         out["blocking"] = _blocking(seats, labels, names)
     out["summary"] = _summary(out)
     return out
@@ -205,8 +203,16 @@ def _connected(now) -> list[_Connected]:
     return out
 
 
-def _reason(member: planner.Member, worker: _Connected, reserved_for: int | None, cluster_id: int):
-    """The first reason the worker cannot seat the member (the zone aside), None if it can."""
+def _free(reserved: dict[int, int], worker: _Connected, cluster_id: int) -> bool:
+    """Not reserved for another cluster: the pass leaves those out of its snapshot."""
+    return reserved.get(worker.view.id) in (None, cluster_id)
+
+
+def _reason(member: planner.Member, worker: _Connected, seats: set[int], reserved, cluster_id):
+    """None if the worker is one of the member's seats, else the first reason it is not (the
+    zone aside)."""
+    if worker.view.id in seats:
+        return None
     if member.kind not in worker.slots:
         return "no idle slot of that kind"
     if member.kind in worker.stale:
@@ -214,57 +220,30 @@ def _reason(member: planner.Member, worker: _Connected, reserved_for: int | None
     if worker.draining:
         return "draining"
     reason = planner.seat_reason(member, worker.view)
-    if reason is None and reserved_for not in (None, cluster_id):
+    if reason is None and not _free(reserved, worker, cluster_id):
         return "reserved for another cluster"
     return reason
 
 
-# Matching: members on distinct workers, Hall's condition when there is none.
-
-
-def _matching(seats: list[set[int]]) -> tuple[np.ndarray, list[int]]:
-    """A maximum matching: each member's column (-1 if unmatched), and the worker ids."""
-    # Imported here, not at the top: the admin imports this module in every daphne, which
-    # must start listening again quickly after a restart, and scipy takes long to import.
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_bipartite_matching
-
-    columns = sorted(set().union(*seats))
-    at = {w: c for c, w in enumerate(columns)}
-    rows = [r for r, s in enumerate(seats) for _ in s]
-    cols = [at[w] for s in seats for w in s]
-    graph = csr_matrix(
-        (np.ones(len(rows), dtype=np.int8), (rows, cols)), shape=(len(seats), len(columns))
-    )
-    return maximum_bipartite_matching(graph, perm_type="column"), columns
-
-
-def _matched(seats: list[set[int]]) -> bool:
-    """Whether every member can sit on a worker of its own."""
-    if not all(seats):
-        return False
-    return bool((_matching(seats)[0] >= 0).all())
+# Members on distinct workers: Hall's condition when there is no such seating.
 
 
 def _violating(seats: list[set[int]]) -> list[int]:
-    """Members S whose seats together number fewer than |S| (Hall): the smallest such set for
-    a handful of members, else one found from a maximum matching (König)."""
+    """Members S whose seats together number fewer than |S| (Hall), among members without a
+    seating: the smallest such set for a handful of members, else one none of them can leave."""
     if len(seats) <= SUBSETS_UP_TO:
         for size in range(1, len(seats) + 1):
             for subset in combinations(range(len(seats)), size):
                 if len(set().union(*(seats[i] for i in subset))) < size:
                     return list(subset)
-    match, columns = _matching(seats)
-    owner = {columns[c]: r for r, c in enumerate(match) if c >= 0}
-    # From an unmatched member along alternating paths: every worker reached is matched (else
-    # the matching would grow), so the members reached outnumber their seats by one.
-    reached, todo = set(), [int(np.flatnonzero(match < 0)[0])]
-    while todo:
-        r = todo.pop()
-        if r not in reached:
-            reached.add(r)
-            todo.extend(owner[w] for w in seats[r])
-    return sorted(reached)
+    # Leave out each member without whom the rest still has no seating. What is kept then has
+    # none, but would without any one of its members: by Hall, its seats number fewer than it.
+    kept = list(range(len(seats)))
+    for member in range(len(seats)):
+        rest = [i for i in kept if i != member]
+        if planner.match([seats[i] for i in rest]) is None:
+            kept = rest
+    return kept
 
 
 def _blocking(seats, labels, names) -> dict:

@@ -119,8 +119,7 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
             )
             for w in workers
         ),
-        scores={},
-        scores_by_job=scores,
+        score_arrays=planner.score_arrays(scores),
     )
     placements = planner.plan(snapshot)
     return placements[0] if placements else None

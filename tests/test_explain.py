@@ -321,7 +321,7 @@ def test_the_blocking_set_is_the_smallest_one():
     }
 
 
-def test_many_members_fall_back_to_a_violating_set_from_a_maximum_matching():
+def test_many_members_fall_back_to_a_violating_set_none_of_them_can_leave():
     # 14 members: the first 12 each have a worker of their own (and worker 12 too); the last
     # two only worker 12.
     seats = [{i, 12} for i in range(12)] + [{12}, {12}]

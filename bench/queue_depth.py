@@ -1,0 +1,494 @@
+"""The deep queue: builds per second with 500 and 20,000 builds queued, and the depth's cost.
+
+The same fleet and window at both depths; the cost is job_score rows and cores per process.
+
+    .venv/bin/python bench/queue_depth.py [--depths 500,20000] [--workers 100]
+                                          [--job-secs 0.2-0.6] [--warmup S] [--window S]
+                                          [--samples N] [--write docs/benchmarks.md]
+
+For each depth, on a fresh database and Redis database 13 of the bench's own: the web process
+(`python -m gradient.serve`), a Celery worker (-c 2) and beat as subprocesses; N builds of one
+project queued with the operator command `submit_job --project P --kind build --count N`
+(called in this process); then the fleet, `manage.py simulate_workers --count 100 --no-eval
+--max-builds 1 --job-secs 0.2-0.6`, as a subprocess of its own, so that its CPU is its own and
+not the feeder's. A feeder thread tops the queue up to N with the same command whenever it is
+1% short. Only the public interface is used: processes, operator commands, the reference
+workers, and the database's rows for counting.
+
+Measured over a steady window after the fleet connected and a warm-up: builds completed per
+second (dispatched_job rows that ended Completed in the window), the job_score rows (counted
+--samples times), the queued builds actually held (min / max of every read), cores used per
+process (CPU seconds from /proc over the window), jobs failed, the load average. The targets
+are issue #18's; the job_score bound uses GRADIENT_OFFER_WINDOW from the environment
+(default 32), which the servers started here read too.
+
+It uses its own database (--database, default gradient_queue_depth; created and migrated when
+missing, emptied before each depth) and Redis database 13.
+"""
+
+import argparse
+import io
+import itertools
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 13
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_queue_depth"
+SECTION = "## Deep queue"
+PROJECT = "qd-builds"
+TARGET_RATE = 150.0  # builds per second, at every depth
+TARGET_SPREAD = 0.10  # the depths' rates within 10% of each other
+OFFER_WINDOW = int(os.environ.get("GRADIENT_OFFER_WINDOW", "32"))
+OBSERVE_SECS = 1.0  # the sampler's period: backends' CPU, the depth, active statements
+SHORT_SHARE = 0.01  # the feeder tops up once the queue is this much short of N
+
+
+def submit(count: int) -> int:
+    """Queues `count` builds with the operator command, as many at a time as it takes."""
+    from django.core.management import call_command
+
+    from gradient.jobs.management.commands.submit_job import MAX_COUNT
+
+    made = 0
+    while made < count:
+        n = min(MAX_COUNT, count - made)
+        out = io.StringIO()
+        call_command(
+            "submit_job", "--project", PROJECT, "--kind", "build", "--count", str(n), stdout=out
+        )
+        made += len(json.loads(out.getvalue())["job_ids"])
+    return made
+
+
+def queued() -> int:
+    from gradient.jobs.models import BuildStatus, DerivationBuild
+
+    return DerivationBuild.objects.filter(project__name=PROJECT, status=BuildStatus.QUEUED).count()
+
+
+def backend_pid() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+class DepthFeeder(common.Feeder):
+    """Tops the queued builds up to `depth` whenever they are SHORT_SHARE short, every tick;
+    keeps every depth it read while measuring (each just before a top-up: the lows)."""
+
+    def __init__(self, depth: int, tick: float):
+        super().__init__(tick=tick)
+        self.depth = depth
+        self.short = max(1, round(depth * SHORT_SHARE))
+        self.seen: list[int] = []
+        self.submitted = 0
+        self.backend: int | None = None  # its PostgreSQL backend: the bench's, not the stack's
+
+    def top_up(self) -> None:
+        if self.backend is None:
+            self.backend = backend_pid()
+        n = queued()
+        if self.measuring:
+            self.seen.append(n)
+        if self.depth - n >= self.short:
+            self.submitted += submit(self.depth - n)
+
+
+def connected_workers() -> int:
+    from workers.models import Worker
+
+    return Worker.objects.filter(channel_name__isnull=False).count()
+
+
+def score_rows() -> tuple[int, int]:
+    """job_score's rows, and those of them for builds still queued (the rest wait for the
+    pruning pass)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*), count(b.id) FROM job_score s LEFT JOIN derivation_build b"
+            " ON b.status = 'Queued' AND s.job_id = 'build:' || b.id::text"
+        )
+        return cursor.fetchone()
+
+
+def active_statements(exclude: list[int]) -> list[str]:
+    """The start of each statement a backend of the stack is running now: what PostgreSQL's
+    cores are busy with."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT left(btrim(regexp_replace(query, '\\s+', ' ', 'g')), 60)"
+            " FROM pg_stat_activity"
+            " WHERE datname = current_database() AND state = 'active'"
+            " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s)",
+            [exclude],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def completed_since(since) -> int:
+    from gradient.jobs.models import DispatchedJob
+
+    return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
+
+
+def window_outcomes(since, until) -> Counter:
+    """The assignments that ended in the window, by outcome."""
+    from django.db.models import Count
+
+    from gradient.jobs.models import DispatchedJob
+
+    rows = (
+        DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
+        .values_list("outcome")
+        .annotate(n=Count("id"))
+    )
+    return Counter(dict(rows))
+
+
+def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -> dict:
+    """The window, sampled from this thread: the backends' CPU, the depth and the active
+    statements every OBSERVE_SECS, job_score at --samples evenly spaced times."""
+    from django.utils import timezone
+
+    depths, scores, statements = [], [], Counter()
+    progress = []  # at each job_score count: (s into the window, builds completed, queued's rows)
+    step = args.window / (args.samples - 1)
+    load_start = common.load()
+    feeder.measuring = True
+    meter.start()
+    since, began = timezone.now(), time.monotonic()
+    next_score, end = began, began + args.window
+    while True:
+        now = time.monotonic()
+        if now >= next_score - 0.05:
+            rows, live = score_rows()
+            scores.append(rows)
+            progress.append((now - began, completed_since(since), live))
+            next_score += step
+        depths.append(queued())
+        statements.update(active_statements(own))
+        meter.observe()
+        if now >= end:
+            break
+        time.sleep(max(0.0, min(now + OBSERVE_SECS, next_score, end) - time.monotonic()))
+    cpu = meter.stop()
+    until, secs = timezone.now(), time.monotonic() - began
+    feeder.measuring = False
+    ended = window_outcomes(since, until)
+    return {
+        "window": secs,
+        "completed": ended.get("Completed", 0),
+        "rate": ended.get("Completed", 0) / secs,
+        "failed": ended.get("Failed", 0),
+        "abandoned": ended.get("Abandoned", 0),
+        "scores": scores,
+        "progress": progress,
+        "held": depths + feeder.seen,
+        "statements": statements,
+        "cpu": {name: s / secs for name, s in cpu.items()},  # cores
+        "load": f"{load_start} / {common.load()}",
+    }
+
+
+def fleet_command(args, url: str) -> list[str]:
+    return [
+        str(common.VENV_BIN / "python"),
+        "manage.py",
+        "simulate_workers",
+        "--count",
+        str(args.workers),
+        "--prefix",
+        "qd",
+        "--no-eval",
+        "--max-builds",
+        "1",
+        "--job-secs",
+        args.job_secs,
+        "--url",
+        url,
+    ]
+
+
+def fleet_summary(log: str) -> dict:
+    """simulate_workers' JSON summary, its last line once stopped."""
+    for line in reversed(log.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {}
+
+
+def feed_tick(args, depth: int) -> float:
+    """Long enough to cost little, short enough that the fleet at its fastest (every slot
+    busy, mean job length) takes at most SHORT_SHARE of the queue between two reads."""
+    lo, _, hi = args.job_secs.partition("-")
+    fastest = args.workers / ((float(lo) + float(hi or lo)) / 2)
+    return min(1.0, max(0.02, SHORT_SHARE * depth / fastest))
+
+
+def wait_connected(args, fleet) -> float:
+    began = time.monotonic()
+    while connected_workers() < args.workers:
+        if fleet.poll() is not None:
+            raise RuntimeError(f"the fleet exited with {fleet.returncode}")
+        if time.monotonic() - began > args.connect_timeout:
+            break  # measured anyway, with how many were connected
+        time.sleep(0.2)
+    return time.monotonic() - began
+
+
+def run_one(depth: int, args) -> dict:
+    from django.core.management import call_command
+
+    common.ensure_database()
+    call_command("create_project", PROJECT, stdout=io.StringIO())
+    env = common.process_env()
+    common.flush_redis(env["REDIS_URL"])
+    logs = Path(tempfile.mkdtemp(prefix=f"bench-queue-depth-{depth}-"))
+    procs = common.Processes(env, logs)
+    feeder = DepthFeeder(depth, feed_tick(args, depth))
+    feeding = threading.Thread(target=feeder.run, name="feeder")
+    try:
+        port = common.free_port()
+        procs.daphne(port)
+        procs.celery()
+        filled = time.monotonic()
+        submit(depth)
+        filled = time.monotonic() - filled
+        common.analyze()
+        feeding.start()
+        fleet = procs.start("fleet", *fleet_command(args, f"ws://127.0.0.1:{port}/proto"))
+        connect_secs = wait_connected(args, fleet)
+        connected = connected_workers()
+        # Statistics again as the fleet's rows arrive (the database was emptied moments ago).
+        common.analyze()
+        time.sleep(args.warmup / 2)
+        common.analyze()
+        time.sleep(args.warmup / 2)
+        # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
+        own = [pid for pid in (backend_pid(), feeder.backend) if pid is not None]
+        groups = {
+            "daphne": procs.pids("daphne"),
+            "celery": procs.pids("celery-worker", "celery-beat"),
+            "fleet": procs.pids("fleet"),
+            "bench_postgres": own,
+        }
+        meter = common.CpuMeter(groups, this_process="bench", exclude_backends=own)
+        result = measure(args, feeder, meter, own)
+        feeder.stop.set()
+        feeding.join()
+        if feeder.error is not None:
+            raise feeder.error
+        common.Processes.kill(fleet, signal.SIGTERM)  # it prints its summary
+        result["fleet"] = fleet_summary(procs.log_text("fleet"))
+        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
+        result["crashes"], result["tracebacks"] = common.log_problems(procs)
+    finally:
+        feeder.stop.set()
+        if feeding.is_alive():
+            feeding.join()
+        procs.stop()
+        common.flush_redis(env["REDIS_URL"])
+    result.update(
+        depth=depth,
+        connected=connected,
+        connect_secs=connect_secs,
+        fill_secs=filled,
+        tick=feeder.tick,
+        submitted=feeder.submitted,
+        logs=str(logs),
+    )
+    report(result)
+    return result
+
+
+def part_rates(r: dict) -> list[float]:
+    """Builds completed per second in each part of the window between two job_score counts."""
+    return [
+        (done1 - done0) / (t1 - t0)
+        for (t0, done0, _), (t1, done1, _) in itertools.pairwise(r["progress"])
+    ]
+
+
+def report(r: dict) -> None:
+    held = r["held"]
+    top = r["statements"].most_common(3)
+    samples = sum(r["statements"].values())
+    print(
+        f"{r['depth']:,} queued: {r['rate']:.1f} builds/s ({r['completed']} in"
+        f" {r['window']:.1f} s), job_score {r['scores']}, held {min(held)}..{max(held)},"
+        f" cores {', '.join(f'{k} {v:.2f}' for k, v in r['cpu'].items())},"
+        f" load {r['load']}; {r['connected']} connected after {r['connect_secs']:.1f} s,"
+        f" queue filled in {r['fill_secs']:.1f} s, feeder tick {r['tick']:.2f} s,"
+        f" {r['submitted']} builds fed; fleet {r['fleet']};"
+        f" {len(r['crashes'])} crash line(s), {r['tracebacks']} traceback(s); logs in {r['logs']}",
+        flush=True,
+    )
+    for ((t0, _, _), (t1, _, live)), rate in zip(
+        itertools.pairwise(r["progress"]), part_rates(r), strict=True
+    ):
+        print(
+            f"  {t0:4.0f} to {t1:3.0f} s: {rate:6.1f} builds/s;"
+            f" at {t1:.0f} s {live:,} job_score rows for queued builds",
+            flush=True,
+        )
+    for statement, n in top:
+        print(f"  active {n}/{samples} samples: {statement}", flush=True)
+    for line in r["crashes"][:5]:
+        print("  " + line, flush=True)
+
+
+def score_limit(workers: int) -> int:
+    return workers * 2 * OFFER_WINDOW
+
+
+def mark(ok: bool) -> str:
+    return "✓" if ok else "✗"
+
+
+HEADER = [
+    "builds queued (N)",
+    "builds completed/s",
+    "builds/s in the window's first / last part (steady if alike)",
+    "job_score rows: max / median",
+    "queue held: min / max",
+    "jobs failed / abandoned",
+    "cores used: daphne, Celery, PostgreSQL, fleet",
+    "cores used by the bench: feeder and sampler / their PostgreSQL backends",
+    "load average (start / end)",
+    "target",
+]
+
+
+def rows(results: list[dict], workers: int) -> list[list]:
+    rates = [r["rate"] for r in results]
+    limit = score_limit(workers)
+    out = []
+    for i, r in enumerate(results):
+        cpu = r["cpu"]
+        target = (
+            f"≥ {TARGET_RATE:.0f} builds/s {mark(r['rate'] >= TARGET_RATE)};"
+            f" job_score ≤ {limit:,} {mark(max(r['scores']) <= limit)}"
+        )
+        if i == len(results) - 1 and len(results) > 1:
+            ok = min(rates) >= (1 - TARGET_SPREAD) * max(rates)
+            target += f"; every depth within {TARGET_SPREAD:.0%} of the fastest {mark(ok)}"
+        short = "" if r["connected"] == workers else f" ({r['connected']} connected)"
+        out.append(
+            [
+                f"{r['depth']:,}{short}",
+                f"{r['rate']:.1f}",
+                f"{part_rates(r)[0]:.1f} / {part_rates(r)[-1]:.1f}",
+                f"{max(r['scores']):,} / {statistics.median(r['scores']):,.0f}",
+                f"{min(r['held']):,} / {max(r['held']):,}",
+                f"{r['failed']} / {r['abandoned']}",
+                ", ".join(f"{cpu[k]:.2f}" for k in ("daphne", "celery", "postgres", "fleet")),
+                f"{cpu['bench']:.2f} / {cpu['bench_postgres']:.2f}",
+                r["load"],
+                target,
+            ]
+        )
+    return out
+
+
+def section(command: str, results: list[dict], args) -> str:
+    window_source = "from the environment" if "GRADIENT_OFFER_WINDOW" in os.environ else "default"
+    crashes = sum(len(r["crashes"]) for r in results)
+    tracebacks = sum(r["tracebacks"] for r in results)
+    ticks = ", ".join(f"{r['tick']:.2f} s at {r['depth']:,}" for r in results)
+    fleet = " ".join(fleet_command(args, "ws://HOST:PORT/proto")[1:])
+    return (
+        f"{SECTION}\n\n"
+        "The deep-queue workload of issue #18: the same fleet and window with hundreds and with"
+        " tens of thousands of single builds queued (see `bench/queue_depth.py`).\n\n"
+        "- Stack: the web process (`python -m gradient.serve`, one daphne per core), one Celery"
+        " worker (`-c 2`) and beat, as subprocesses on a database and Redis database 13 of the"
+        " bench's own, all started afresh for each depth.\n"
+        f"- Fleet: `{fleet}`, a subprocess of its own (its CPU is its own column).\n"
+        "- Queue: single builds of one project, queued with `submit_job --project P --kind build"
+        " --count N` (called in the bench's process, at most 10,000 a call) before the fleet"
+        " connects. A feeder thread tops it up to N with the same command once it is"
+        f" {SHORT_SHARE:.0%} short, reading it every {ticks} (at the fleet's fastest, that"
+        " much of the queue ends between two reads). Queue held: every read of the queued builds in"
+        " the window, the feeder's (just before a top-up) and the sampler's (every second).\n"
+        f"- Window: {args.window:g} s, after the fleet connected (the table says where not all"
+        f" of it did within {args.connect_timeout:g} s) and {args.warmup:g} s of warm-up,"
+        " with an `ANALYZE` after the queue was filled, at the warm-up's start and at its"
+        " middle (the database was emptied moments before). Builds completed/s:"
+        " dispatched_job rows that ended Completed in the window, over its length; jobs"
+        " failed / abandoned: those that ended Failed / Abandoned in it.\n"
+        f"- job_score rows: `count(*)` at {args.samples} evenly spaced times from the window's"
+        " start to its end, the rows of builds already finished among them. Bound: workers x 2"
+        f" x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x {OFFER_WINDOW} ({window_source}) ="
+        f" {score_limit(args.workers):,}. The window's parts are the"
+        f" {args.window / (args.samples - 1):g} s between two counts: the first and the last"
+        " show whether the rate was steady.\n"
+        "- Cores used: CPU seconds over the window from `/proc`, divided by its length: daphne"
+        " (the launcher and its daphne processes), Celery (worker, pool, beat), PostgreSQL (the"
+        " backends serving the bench database, autovacuum's among them, but the bench's own),"
+        " the fleet's process; the bench's feeder and sampler, and their two backends, apart."
+        " Everything shares the machine's cores with other work (the load average).\n"
+        f"- Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
+        f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
+        f" {tracebacks}.\n"
+        f"- Targets (issue #18): at least {TARGET_RATE:.0f} builds/s at every depth, within"
+        f" {TARGET_SPREAD:.0%} of each other; job_score rows at most workers x 2 x window.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        " (load average in the table)\n\n"
+        + common.table(HEADER, rows(results, args.workers))
+        + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=DATABASE_URL)
+    parser.add_argument("--depths", default="500,20000", help="queued builds, one run each")
+    parser.add_argument("--workers", type=int, default=100)
+    parser.add_argument("--job-secs", default="0.2-0.6", metavar="LO-HI")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    parser.add_argument("--samples", type=int, default=7, help="job_score counts in the window")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=120.0, help="seconds to wait for the fleet"
+    )
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    if args.samples < 2:
+        parser.error("--samples must be at least 2 (the window's start and end)")
+    depths = [int(n) for n in args.depths.split(",")]
+    command = shlex.join([".venv/bin/python", "bench/queue_depth.py", *sys.argv[1:]])
+    common.setup(args.database, REDIS_DB)
+    print(command, flush=True)
+    results = [run_one(n, args) for n in depths]
+    common.finish(
+        HEADER,
+        rows(results, args.workers),
+        args.write,
+        SECTION,
+        lambda: section(command, results, args),
+        crashed=any(r["crashes"] for r in results),
+    )
+
+
+if __name__ == "__main__":
+    main()
