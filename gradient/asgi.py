@@ -4,6 +4,7 @@ import os
 import pprint
 
 from autobahn.websocket import protocol as autobahn_protocol
+from daphne.ws_protocol import WebSocketProtocol as DaphneWebSocketProtocol
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
@@ -33,6 +34,12 @@ class _Formatted:
 # Formatted lazily instead (the debug line, when on, reads the same).
 if getattr(autobahn_protocol, "pformat", None) is pprint.pformat:
     autobahn_protocol.pformat = _Formatted
+
+# autobahn fails a connection (a frame over daphne's 1 MiB limit, for one) by dropping TCP unless
+# told otherwise, and the worker gets 1006 instead of protocol.md's 1009. daphne has no option
+# for it, but a protocol class's attribute wins over its factory's, and daphne loads this module
+# before it listens, however it was started (docs/design.md, "Bounds the protocol leaves open").
+DaphneWebSocketProtocol.failByDrop = False
 
 # No origin check on /proto: workers are machines authenticated by their bearer token.
 application = ProtocolTypeRouter(

@@ -45,7 +45,8 @@ from workers.protocol import (
 log = logging.getLogger(__name__)
 
 # Over daphne, a frame past its (and our) 1 MiB limit never reaches the consumer: autobahn
-# closes with 1009 itself. The consumer's own check is for any other server.
+# closes with 1009 itself (with a close frame: gradient/asgi.py). This check is for any other
+# server, or a daphne started with a larger limit.
 CLOSE_TOO_BIG = 1009
 # A frame's handling failed: the session ends and the worker reconnects. Not 1011: autobahn
 # lets a server's application send only 1000 or 3000-4999, and refused 1011 by raising, so

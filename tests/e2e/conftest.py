@@ -70,6 +70,20 @@ def process_env(django_db_setup):
     return env
 
 
+# The two ways protocol.md serves /proto: plain daphne, and the README's launcher (one daphne,
+# so a test's sessions share a process as they do under plain daphne).
+LAUNCHERS = {
+    "daphne": lambda port: (
+        str(VENV_BIN / "daphne"),
+        *("-b", "127.0.0.1", "-p", str(port), "gradient.asgi:application"),
+    ),
+    "serve": lambda port: (
+        sys.executable,
+        *("-m", "gradient.serve", "-b", "127.0.0.1", "-p", str(port), "--processes", "1"),
+    ),
+}
+
+
 class Processes:
     def __init__(self, env, logs: Path):
         self.env, self.logs, self.procs = env, logs, []
@@ -87,18 +101,10 @@ class Processes:
         self.procs.append((proc, log))
         return proc
 
-    def daphne(self, **extra_env) -> str:
+    def daphne(self, launcher="daphne", **extra_env) -> str:
+        """The URL of /proto on a new server, started as LAUNCHERS[launcher] starts it."""
         port = free_port()
-        proc = self.start(
-            f"daphne-{port}",
-            str(VENV_BIN / "daphne"),
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "gradient.asgi:application",
-            **extra_env,
-        )
+        proc = self.start(f"daphne-{port}", *LAUNCHERS[launcher](port), **extra_env)
         wait_for_port(port, proc)
         return f"ws://127.0.0.1:{port}/proto"
 

@@ -10,7 +10,6 @@ from django.db import connection
 from websockets.asyncio.client import connect
 
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
-from tests.e2e.conftest import ROOT, VENV_BIN
 from tests.factories import BuildFactory, WorkerFactory
 from workers.models import IdleSlot, Worker, hash_token
 
@@ -113,26 +112,3 @@ async def test_a_disconnect_requeues_the_workers_job(stack):
     await until(lambda: DerivationBuild.objects.get(pk=build.pk).status == BuildStatus.QUEUED)
     assert await q(lambda: DispatchedJob.objects.get().outcome) == "Abandoned"
     assert await q(lambda: Worker.objects.get().channel_name) is None
-
-
-async def test_a_revoked_worker_is_cut_off_across_processes(stack, process_env):
-    await q(lambda: WorkerFactory(name="revokee", token_hash=hash_token("t-rev")))
-    url = stack
-    async with connect(url, additional_headers=bearer("t-rev")) as ws:
-        await ws.send(json.dumps(CAPS))
-        await recv_type(ws, "InitAck")
-        proc = await asyncio.create_subprocess_exec(
-            str(VENV_BIN / "python"),
-            "manage.py",
-            "create_worker",
-            "revokee",
-            "--revoke",
-            env=process_env,
-            cwd=str(ROOT),
-            stdout=asyncio.subprocess.PIPE,
-        )
-        out, _ = await proc.communicate()
-        assert json.loads(out) == {"worker": "revokee", "revoked": True}
-        with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
-            await asyncio.wait_for(ws.recv(), 5)
-        assert closed.value.rcvd.code == 4403
