@@ -147,7 +147,6 @@ def snapshot(
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
         workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
-        scores={},
         score_arrays=scores,
         truncated=scores.truncated,
         load_scores=all_scores,

@@ -13,7 +13,7 @@ member's k cheapest seats (clusters.matching).
 """
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
@@ -80,13 +80,6 @@ class Snapshot:
     # cheapest could be too few to decide (see _place).
     truncated: frozenset[str] = frozenset()
     load_scores: Callable[[list[str]], Mapping[str, ScoreArrays]] | None = None
-    # clusters/dispatch.py still passes scores={}: taken while empty, as the planner reads
-    # score_arrays alone.
-    scores: InitVar[Mapping | None] = None
-
-    def __post_init__(self, scores):
-        if scores:
-            raise TypeError("Snapshot takes score_arrays, not flat scores")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clusters import planner
-from clusters.planner import UNSCORED_COST, Snapshot, plan, seat_reason
+from clusters.planner import UNSCORED_COST, plan, seat_reason
 from tests.planning import ARM, X86, cluster, member, names, only, snapshot, worker
 
 
@@ -261,12 +261,6 @@ def test_score_arrays_sort_each_jobs_scores_by_size_then_worker_id():
         "build:b": ([], []),
     }
     assert all(ids.dtype == sizes.dtype == np.int64 for ids, sizes in built.values())
-
-
-def test_a_snapshot_refuses_flat_scores():
-    with pytest.raises(TypeError):
-        Snapshot(clusters=(), workers=(), scores={(1, "build:a"): 0})
-    assert plan(Snapshot(clusters=(), workers=(), scores={})) == []
 
 
 def test_an_empty_pass_plans_nothing():
