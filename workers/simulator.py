@@ -51,6 +51,7 @@ class WorkerConfig:
     reject_rate: float = 0.0  # chance a cluster member is refused
     have_fraction: float = 0.5  # share of offered paths the worker already has
     score: Scorer | None = None  # (worker name, offered job) -> (missing_count, missing_nar_size)
+    score_secs: float = 0.0  # how long it takes to look at its store before it answers
     signal_on_start: bool = False  # on StartCluster, send one signal to every peer
     answers_members: bool = True  # False: a hung worker, holding members without a word
     heartbeat_secs: float | None = None  # overrides InitAck's, so tests need not wait 10 s
@@ -429,6 +430,8 @@ class SimulatedWorker:
     async def _on_offer(self, offer: p.JobOffer) -> None:
         # Answered here, before the reader takes the next frame, so always before the next
         # RequestJob this worker sends.
+        if self.config.score_secs:
+            await asyncio.sleep(self.config.score_secs)
         await self._send(p.JobScores(scores=[self.score(job) for job in offer.jobs]))
 
     async def _on_assign(self, assign: p.AssignJob) -> None:

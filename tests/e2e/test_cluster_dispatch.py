@@ -10,6 +10,7 @@ from clusters.submission import parse_member, submit_cluster
 from gradient.jobs.models import DispatchedJob
 from tests.e2e.fleet import fleet, members_held_twice, q, until
 from tests.factories import ProjectFactory
+from workers.models import IdleSlot
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
@@ -61,6 +62,28 @@ async def test_a_same_zone_cluster_with_a_pinned_member_starts_where_expected_an
         assert len(starts) == 2
         assert {tuple(sorted(r["worker"] for r in e["roster"])) for e in starts} == {("b1", "b2")}
         assert members_held_twice(workers) == []
+
+
+def zone_cost(cost):
+    return lambda name, job: (1, cost)
+
+
+async def test_a_cluster_meeting_an_idle_fleet_is_seated_on_the_cheapest_zone_every_time(stack):
+    """Zone b's workers have every member's closure nearly complete but answer their offers
+    later than zone a's: the pass waits for their scores (GRADIENT_SCORE_WAIT_MS) rather than
+    seat the cluster on the first answers or on ties."""
+    dear = {"zone": "a", "score": zone_cost(900 << 20)}
+    cheap = {"zone": "b", "score": zone_cost(10 << 20), "score_secs": 0.3}
+    specs = {"a1": dear, "a2": dear, "a3": dear, "b1": cheap, "b2": cheap}
+    async with fleet(stack, specs):
+        await until(lambda: IdleSlot.objects.filter(kind="build").count() == 5, timeout=20)
+        zones = []
+        for _ in range(20):
+            cluster = await submit("server:build", "client:build", same_zone=True)
+            assert await until(lambda c=cluster: finished(c), timeout=30) == "Completed"
+            [attempt] = await q(lambda c=cluster: history(c))
+            zones.append("".join(sorted(s["worker"][0] for s in attempt["seats"])))
+        assert zones == ["bb"] * 20, zones
 
 
 async def test_a_rejecting_member_aborts_the_attempt_and_the_cluster_starts_later(stack):
