@@ -141,7 +141,7 @@ class Asking:
             return False
         items = {m.key: _offered_json(m) for m in cluster.members}
         frames = [
-            (worker_id, RenderedOffer("[" + ",".join(items[k] for k in keys) + "]", True))
+            (worker_id, RenderedOffer("[" + ",".join(items[k] for k in keys) + "]"))
             for worker_id, keys in fresh
         ]
         send_frames(frames, event="worker.offer")

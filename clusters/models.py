@@ -57,12 +57,17 @@ class ClusterJob(models.Model):
             # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
             # The members' part of the head of the queue walks the waiting clusters in the
-            # planner's order; the pass clears the clocks of clusters no longer waiting, few
-            # rows, found here too.
+            # planner's order (per project for a worker limited to some); the pass clears the
+            # clocks of clusters no longer waiting, few rows, found here too.
             models.Index(
                 fields=["-prioritized", "created_at", "id"],
                 condition=Q(waiting_since__isnull=False),
                 name="idx-cluster_job-waiting",
+            ),
+            models.Index(
+                fields=["project", "-prioritized", "created_at", "id"],
+                condition=Q(waiting_since__isnull=False),
+                name="idx-cluster_job-waiting-proj",
             ),
         ]
 

@@ -18,7 +18,7 @@ from django.utils import timezone
 from clusters import planner
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array
-from workers.head import PLATFORM_SQL, job_table, literals, offerable
+from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 
 
 @dataclass(frozen=True)
@@ -236,31 +236,35 @@ def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
     )
 
 
-# The members of one kind at the head of the queue for a worker (protocol.md): those of the
-# clusters waiting to start (note_waiting marks them) along idx-cluster_job-waiting in the
-# planner's order, up to the window; and, as a part of its own, those pinned to the worker
-# whatever their place (idx-cluster_member-pin). Columns as workers.offers.OFFERED_COLUMNS.
-MEMBER_HEAD_SQL = (
+# The members of one kind in one range of the head for a worker (protocol.md): those of the
+# clusters waiting to start (note_waiting marks them) along idx-cluster_job-waiting (or its
+# per-project twin) in the planner's order, up to the window; and, as a part of its own, those
+# pinned to the worker whatever their place (idx-cluster_member-pin). Columns as
+# workers.offers' members. (workers.head.access_sql runs one walk per range.)
+MEMBER_WALK = (
     """
 SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, p.name AS project,
-       j.architecture, j.required_features, j.paths, true AS member
+       j.architecture, j.required_features::text[] AS required_features, j.paths,
+       c.prioritized, c.created_at, c.id AS cluster, m.role, m.id AS member
 FROM cluster_job c
 JOIN cluster_member m ON m.cluster_job_id = c.id
 JOIN {table} j ON j.id = m.{member_column}
 JOIN project p ON p.id = j.project_id
-WHERE c.waiting_since IS NOT NULL AND {seat}
+WHERE c.waiting_since IS NOT NULL AND {seat} {project_of_cluster}
   AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
                   WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
-  AND j.status IN ({queued})
-  AND """
-    + PLATFORM_SQL
+  AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
+    + FEATURES_SQL
     + """
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, m.role, m.id
-LIMIT %(window)s
+LIMIT {window}
 """
 )
 ANY_SEAT = "(m.pin IS NULL OR m.pin = %(name)s)"
 PINNED_HERE = "m.pin = %(name)s"
+MEMBER_ORDER = "h.prioritized DESC, h.created_at ASC, h.cluster ASC, h.role, h.member"
+# The part's rows as the offer reads them.
+MEMBER_PART = "SELECT key, kind, project, architecture, required_features, paths FROM ({part}) x"
 
 
 def member_head_parts(worker) -> list[str]:
@@ -273,14 +277,17 @@ def member_head_parts(worker) -> list[str]:
         table, prefix = job_table(how.kind)
         column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
         for seat in (ANY_SEAT, PINNED_HERE):
-            parts.append(
-                MEMBER_HEAD_SQL.format(
-                    table=table,
-                    prefix=prefix,
-                    kind=how.kind,
-                    member_column=column,
-                    seat=seat,
-                    queued=literals(how.statuses[:1]),  # a member starts from Queued only
-                )
+            walk = MEMBER_WALK.format(
+                table=table,
+                prefix=prefix,
+                kind=how.kind,
+                member_column=column,
+                seat=seat,
+                queued=literals(how.statuses[:1]),  # a member starts from Queued only
+                window=window(),
+                project_of_cluster="{project}",
             )
+            archs = len(worker.architectures)
+            part = access_sql(walk, MEMBER_ORDER, window(), archs, project="c.project_id")
+            parts.append(MEMBER_PART.format(part=part))
     return parts

@@ -6,6 +6,7 @@ from django.db import connection as db_connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from clusters.models import ClusterJob
 from gradient.jobs.models import DerivationBuild, Evaluation
 from tests.factories import (
     BuildFactory,
@@ -14,21 +15,20 @@ from tests.factories import (
     EvaluationFactory,
     ProjectFactory,
     WorkerFactory,
-    answered_scores,
     waiting,
 )
 from workers import connection, offers
-from workers.assignment import candidates
-from workers.head import offerable
+from workers.head import offerable, read_singles
 from workers.models import JobScore
 from workers.protocol import Score
 
 pytestmark = pytest.mark.django_db
 
 
-def offered(worker) -> list[str]:
+def offered(worker, memory=None) -> list[str]:
+    """What an offer to the worker names: one connection's offers when they share `memory`."""
     worker.refresh_from_db()
-    offer = offers.offer_head(worker, tracking_parts(worker))
+    offer = offers.offer_head(worker, memory, tracking_parts(worker)).offer
     return [] if offer is None else sorted(job.job_id for job in offer.jobs)
 
 
@@ -48,28 +48,33 @@ def by_age(model, jobs):
 
 
 def test_both_kinds_and_the_waiting_clusters_members_are_offered_once():
-    worker = WorkerFactory()
+    worker, memory = WorkerFactory(), offers.Offered()
     build, evaluation = BuildFactory(), EvaluationFactory()
     member = EvalMemberFactory()
     waiting(member)
     keys = sorted([build.job_key, evaluation.job_key, member.job_key])
-    assert offered(worker) == keys
+    assert offered(worker, memory) == keys
+    assert offered(worker, memory) == []  # once per connection, answered or not
+    # The single jobs are remembered by the session, the member by a row without a score.
+    assert memory.sizes == {build.job_key: None, evaluation.job_key: None}
     rows = JobScore.objects.filter(worker=worker)
-    assert sorted(rows.values_list("job_id", flat=True)) == keys
-    assert not rows.filter(missing_nar_size__isnull=False).exists()  # offered, not scored
-    assert offered(worker) == []  # once per connection, answered or not
-    offers.record_scores(
-        worker.pk, [Score(job_id=build.job_key, missing_count=1, missing_nar_size=5)]
-    )
-    assert offered(worker) == []
+    assert list(rows.values_list("job_id", "missing_nar_size")) == [(member.job_key, None)]
+    score = Score(job_id=member.job_key, missing_count=1, missing_nar_size=5)
+    single = Score(job_id=build.job_key, missing_count=1, missing_nar_size=7)
+    assert memory.record([score, single]) == [score]
+    offers.record_scores(worker.pk, [score])
+    assert memory.sizes[build.job_key] == 7
+    assert list(rows.values_list("missing_nar_size", flat=True)) == [5]
+    assert offered(worker, memory) == []
 
 
 def test_a_new_connection_is_offered_its_head_again():
     worker = WorkerFactory()
-    build = BuildFactory()
-    assert offered(worker) == [build.job_key]
+    member = waiting(BuildMemberFactory())
+    assert offered(worker, offers.Offered()) == [member.job_key]
+    assert offered(worker, offers.Offered()) == []  # its row: offered on this connection
     connection.attach(worker.pk, "channel-2")
-    assert offered(worker) == [build.job_key]
+    assert offered(worker, offers.Offered()) == [member.job_key]
 
 
 def test_members_of_a_cluster_no_pass_has_seen_waiting_are_not_offered_yet():
@@ -82,15 +87,28 @@ def test_members_of_a_cluster_no_pass_has_seen_waiting_are_not_offered_yet():
 
 def test_only_the_window_is_offered_oldest_first_and_the_rest_as_the_head_moves(settings):
     window(settings, 2)
-    worker = WorkerFactory(can_eval=False)
+    worker, memory = WorkerFactory(can_eval=False), offers.Offered()
     jobs = by_age(DerivationBuild, BuildFactory.create_batch(5))
-    assert offered(worker) == sorted(jobs[:2])
+    assert offered(worker, memory) == sorted(jobs[:2])
     DerivationBuild.objects.filter(pk=jobs[0].split(":")[1]).update(status="Building")
-    assert offered(worker) == [jobs[2]]
-    # The job that left the head is forgotten: the worker holds rows for its head alone.
-    assert sorted(
-        JobScore.objects.filter(worker=worker).values_list("job_id", flat=True)
-    ) == sorted(jobs[1:3])
+    assert offered(worker, memory) == [jobs[2]]
+    # The job that left the head is forgotten: the session keeps its head alone.
+    assert sorted(memory.sizes) == sorted(jobs[1:3])
+
+
+def test_a_members_row_goes_once_its_job_left_the_head(settings):
+    window(settings, 1)
+    worker = WorkerFactory(can_eval=False)
+    first, second = BuildMemberFactory(), BuildMemberFactory()
+    waiting(first, second)
+    assert offered(worker) == [first.job_key]
+    ClusterJob.objects.filter(pk=first.cluster_job_id).update(waiting_since=None)  # placed
+    assert offered(worker) == [second.job_key]
+    # Kept while fresh: the pass offers a cluster before it marks it waiting.
+    assert JobScore.objects.count() == 2
+    JobScore.objects.update(offered_at=timezone.now() - offers.SETTLE)
+    assert offered(worker) == []
+    assert list(JobScore.objects.values_list("job_id", flat=True)) == [second.job_key]
 
 
 def test_a_prioritized_job_comes_first_whatever_its_age(settings):
@@ -143,7 +161,7 @@ def test_a_draining_worker_is_offered_nothing():
     assert offered(worker) == []
 
 
-def test_offers_made_by_the_dispatch_pass_are_not_made_again():
+def test_members_offered_by_the_dispatch_pass_are_not_offered_again():
     worker = WorkerFactory()
     member = BuildMemberFactory()
     waiting(member)
@@ -177,7 +195,7 @@ def head_walks(call) -> dict[str, int]:
 
 def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
     """A deep queue, finished evaluations piling up until garbage collection: the offer and
-    the candidates walk each kind's index and stop at the window."""
+    the single path walk each kind's index and stop at the window."""
     worker, project = WorkerFactory(), ProjectFactory()
     Evaluation.objects.bulk_create(
         Evaluation(project=project, status=status)
@@ -186,13 +204,12 @@ def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
     DerivationBuild.objects.bulk_create(
         DerivationBuild(project=project, status="Queued") for _ in range(2000)
     )
-    answered_scores([(worker, e.job_key, 5) for e in Evaluation.objects.all()[:50]])
     with db_connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     for call, walks in (
         (lambda: offered(worker), {"idx-evaluation-head", "idx-derivation_build-head"}),
-        (lambda: candidates(worker, offerable(worker, "eval")), {"idx-evaluation-head"}),
-        (lambda: candidates(worker, offerable(worker, "build")), {"idx-derivation_build-head"}),
+        (lambda: read_singles(worker, offerable(worker, "eval")), {"idx-evaluation-head"}),
+        (lambda: read_singles(worker, offerable(worker, "build")), {"idx-derivation_build-head"}),
     ):
         read = {name: rows for name, rows in head_walks(call).items() if rows}
         assert set(read) == walks, read

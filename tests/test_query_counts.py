@@ -34,18 +34,17 @@ from workers import reports
 from workers.consumer import offer_or_answer
 from workers.head import FETCH_STEPS
 from workers.models import IdleSlot
+from workers.offers import Offered
 
 # Budgets, in statements (a transaction's BEGIN and COMMIT are not counted; in a test they are
 # a SAVEPOINT and its RELEASE, which are).
-# RequestJob that assigns: the worker with its open count and reservation (1); the offer:
-# both kinds' heads, their new jobs recorded as offered and the rows of jobs that left the
-# head forgotten (1); the candidates (1); the claim in one transaction: SAVEPOINT, claim,
-# transition, idle slot, RELEASE (5). (The session answers after the scores; counted here
-# without that wait, the same statements.)
-REQUEST_ASSIGNING = 8
-# RequestJob with nothing to give, nothing new to offer: the worker (1), the offer (1), the
-# candidates (1), the idle slot (1).
-REQUEST_IDLE = 4
+# RequestJob that assigns: the offer, both kinds' heads read and the members new to the
+# worker recorded as offered (1); the claim of the best job no other claim holds, with the
+# worker's room, the transition and the idle slot, in one statement (1). (A session answers
+# after the worker's scores; counted here without that wait, the same statements.)
+REQUEST_ASSIGNING = 2
+# RequestJob with nothing to give, nothing new to offer: the offer (1), the idle slot (1).
+REQUEST_IDLE = 2
 # A single job's JobCompleted: one statement.
 COMPLETED = 1
 # A single job's AssignJobResponse (accepted): the one query that tells it from a member's.
@@ -76,8 +75,9 @@ MEMBER_COMPLETED_DECIDING = 10
 MEMBER_FAILED_DECIDING = 9
 
 
-def answer_request(worker_id, kind):
-    return offer_or_answer(worker_id, kind, False)
+def answer_request(worker, kind, offered=None):
+    """A session's RequestJob, its worker's row at hand (it has it from the capabilities)."""
+    return offer_or_answer(worker.pk, kind, worker, offered)
 
 
 def counted(fn, *args):
@@ -102,7 +102,7 @@ def test_a_request_that_assigns_a_job(kind):
     project, worker = ProjectFactory(), WorkerFactory()
     IdleSlot.objects.create(worker=worker, kind=kind, recorded_at="2026-01-01T00:00Z")
     job = queued(kind, project)
-    (offer, assign), sql = counted(answer_request, worker.pk, kind)
+    (offer, assign), sql = counted(answer_request, worker, kind)
     assert len(sql) == REQUEST_ASSIGNING, "\n".join(sql)
     assert [j.job_id for j in offer.jobs] == [job.job_key]
     assert assign.job_id == job.job_key and assign.job.project == project.name
@@ -116,8 +116,8 @@ def test_a_request_that_assigns_a_job(kind):
 @pytest.mark.django_db
 def test_a_request_with_nothing_to_give():
     worker = WorkerFactory()
-    answer_request(worker.pk, "build")
-    (offer, assign), sql = counted(answer_request, worker.pk, "build")
+    answer_request(worker, "build")
+    (offer, assign), sql = counted(answer_request, worker, "build")
     assert (offer, assign) == (None, None)
     assert len(sql) == REQUEST_IDLE, "\n".join(sql)
     assert IdleSlot.objects.filter(worker=worker, kind="build").exists()
@@ -127,17 +127,18 @@ def test_a_request_with_nothing_to_give():
 def test_an_offer_leaves_out_what_the_worker_was_offered_before():
     project, worker = ProjectFactory(), WorkerFactory()
     first = queued("build", project)
-    offer, _ = answer_request(worker.pk, "eval")  # eval: the build stays queued
+    offered = Offered()  # the session's memory of the single jobs it offered
+    offer, _ = answer_request(worker, "eval", offered)  # eval: the build stays queued
     assert [j.job_id for j in offer.jobs] == [first.job_key]
     second = queued("build", project)
-    offer, _ = answer_request(worker.pk, "eval")
+    offer, _ = answer_request(worker, "eval", offered)
     assert [j.job_id for j in offer.jobs] == [second.job_key]
 
 
 def assigned(kind, steps=None):
     worker = WorkerFactory()
     job = queued(kind, ProjectFactory())
-    _, assign = answer_request(worker.pk, kind)
+    _, assign = answer_request(worker, kind)
     if steps is not None:
         DispatchedJob.objects.update(steps=steps)
         Evaluation.objects.filter(pk=job.pk).update(status=EvaluationStatus.FETCHING)

@@ -1,11 +1,13 @@
 """The single path over the head of the queue (workers.assignment, protocol.md): the cheapest
 single job of the worker's head, unscored the most expensive, ties to the older; a job first in
-line passed over by a window of younger ones goes first."""
+line passed over by a window of younger ones goes first. The scores are the worker's answers
+as its session keeps them (workers.offers.Offered)."""
 
 import pytest
 
 from gradient.jobs.models import DerivationBuild, DispatchedJob
-from tests.factories import BuildFactory, ProjectFactory, WorkerFactory, answered_scores
+from tests.concurrency import race, rows_locked
+from tests.factories import BuildFactory, ProjectFactory, WorkerFactory
 from workers.assignment import request_job
 
 pytestmark = pytest.mark.django_db
@@ -22,8 +24,8 @@ def queue(n, project=None):
     return sorted(jobs, key=lambda j: j.created_at)
 
 
-def given(worker) -> str:
-    assign = request_job(worker.pk, "build")
+def given(worker, sizes=None) -> str:
+    assign = request_job(worker.pk, "build", sizes=sizes)
     assert assign is not None
     # The worker runs it and is free again for the next request.
     DispatchedJob.objects.filter(job_id=assign.job_id).update(finished_at="2026-01-01T00:00Z")
@@ -33,14 +35,8 @@ def given(worker) -> str:
 def test_the_cheapest_job_of_the_head_is_given_unscored_ones_last_ties_to_the_older():
     worker = WorkerFactory()
     oldest, tied_old, tied_young, cheap = queue(4)
-    answered_scores(
-        [
-            (worker, tied_old.job_key, 50),
-            (worker, tied_young.job_key, 50),
-            (worker, cheap.job_key, 10),
-        ]
-    )
-    assert [given(worker) for _ in range(4)] == [
+    sizes = {tied_old.job_key: 50, tied_young.job_key: 50, cheap.job_key: 10}
+    assert [given(worker, sizes) for _ in range(4)] == [
         cheap.job_key,
         tied_old.job_key,
         tied_young.job_key,
@@ -51,8 +47,8 @@ def test_the_cheapest_job_of_the_head_is_given_unscored_ones_last_ties_to_the_ol
 def test_a_cheaper_job_behind_the_head_waits_its_turn():
     worker = WorkerFactory()
     jobs = queue(6)
-    answered_scores([(worker, jobs[5].job_key, 0)] + [(worker, j.job_key, 90) for j in jobs[:5]])
-    assert given(worker) == jobs[0].job_key  # jobs[5] is not among the first 4
+    sizes = {jobs[5].job_key: 0} | {j.job_key: 90 for j in jobs[:5]}
+    assert given(worker, sizes) == jobs[0].job_key  # jobs[5] is not among the first 4
 
 
 def test_the_oldest_job_is_given_out_within_a_window_of_assignments_whatever_its_closure():
@@ -61,14 +57,11 @@ def test_the_oldest_job_is_given_out_within_a_window_of_assignments_whatever_its
     workers = WorkerFactory.create_batch(3)
     project = ProjectFactory()
     huge = queue(1, project)[0]
-    for w in workers:
-        answered_scores([(w, huge.job_key, 10**12)])
+    sizes = {huge.job_key: 10**12}  # alike for every worker
     order = []
     for i in range(12):
-        cheap = BuildFactory(project=project)
-        for w in workers:
-            answered_scores([(w, cheap.job_key, 1)])
-        order.append(given(workers[i % 3]))
+        sizes[BuildFactory(project=project).job_key] = 1
+        order.append(given(workers[i % 3], sizes))
         if huge.job_key in order:
             break
     assert huge.job_key in order, order
@@ -79,5 +72,27 @@ def test_a_prioritized_job_goes_before_a_cheaper_one():
     worker = WorkerFactory()
     cheap, urgent = queue(2)
     DerivationBuild.objects.filter(pk=urgent.pk).update(prioritized=True)
-    answered_scores([(worker, cheap.job_key, 0), (worker, urgent.job_key, 99)])
-    assert given(worker) == urgent.job_key
+    assert given(worker, {cheap.job_key: 0, urgent.job_key: 99}) == urgent.job_key
+
+
+@pytest.mark.django_db(transaction=True)
+def test_workers_racing_for_one_head_each_get_a_job_of_their_own():
+    """Workers that score alike all prefer the same job: each claim locks its job row, and
+    the others pass over it to the next, so every worker is served and no job twice."""
+    workers = WorkerFactory.create_batch(8)
+    jobs = queue(8)
+    for _ in range(20):
+        given_now = race(*[lambda w=w: request_job(w.pk, "build") for w in workers])
+        assert all(given_now), given_now
+        keys = [a.job_id for a in given_now]
+        assert sorted(keys) == sorted(j.job_key for j in jobs)
+        DispatchedJob.objects.all().delete()
+        DerivationBuild.objects.update(status="Queued")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_passes_over_a_job_another_transaction_holds():
+    worker = WorkerFactory()
+    held, free = queue(2)
+    with rows_locked(DerivationBuild.objects.filter(pk=held.pk)):
+        assert request_job(worker.pk, "build").job_id == free.job_key

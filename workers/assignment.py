@@ -5,124 +5,192 @@ their cluster (clusters.tracking). Nothing to give records an idle slot, the pla
 of free capacity.
 """
 
+import functools
 import uuid
+from collections.abc import Mapping
 from typing import NamedTuple
 
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
-from gradient.jobs.transitions import advance_build, advance_evaluation
+from gradient.jobs.transitions import BUILD_SOURCES, EVALUATION_SOURCES
 from workers.head import (
     FETCH_STEPS,
+    HeadJob,
     Offerable,
     job_table,
     literals,
     offerable,
-    platform_params,
-    singles_sql,
+    read_singles,
+    window,
 )
 from workers.models import IdleSlot, Worker
 from workers.protocol import AssignJob, JobSpec
 
-CANDIDATES = 20  # claims lost to rivals fall through to the next candidate
+HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
 
-# The single jobs of the worker's head, cheapest first: prioritized, then one passed over by
-# a window of younger jobs while first in line, then least to fetch (a job never scored is the
-# most expensive), then oldest. `first` is the head's first in line, whose wait a claim of any
-# other job lengthens. With each, what its claim and its AssignJob need.
-CANDIDATES_SQL = """
-WITH head AS ({singles})
-SELECT h.id, h.status, h.substitute, h.project_id, h.project, h.architecture,
-       h.required_features, h.paths,
-       first_value(h.id) OVER (ORDER BY h.prioritized DESC, h.created_at ASC) AS first
-FROM head h
-LEFT JOIN job_score s ON s.worker_id = %(worker)s AND s.job_id = '{prefix}' || h.id::text
-ORDER BY h.prioritized DESC, h.passed_over >= %(window)s DESC,
-         s.missing_nar_size ASC NULLS LAST, h.created_at ASC
-LIMIT %(limit)s
+# The single path's claim, in one statement: the best of the ranked jobs that no other claim
+# is taking right now (a claimer locks its job row, and the others pass over it instead of
+# queueing behind its transaction: workers that score alike all prefer the same job), if the
+# worker has room for it (its open assignments, held members included, below its slots, not
+# draining, no seat of the aging reservation); its assignment row, the Assigned transition,
+# the worker's idle slot cleared, and the head's first in line counted as passed over when
+# another job went (skipped while another claim holds it: a count, never a wait).
+CLAIM_SQL = """
+WITH pick AS (
+    SELECT j.id, j.status, j.project_id FROM {table} j
+    WHERE j.id = ANY(%(ids)s::uuid[]) AND j.status IN ({statuses}) AND NOT j.active_member
+    ORDER BY array_position(%(ids)s::uuid[], j.id)
+    LIMIT 1
+    FOR NO KEY UPDATE {skip}
+), worker AS (
+    SELECT w.id, w.draining,
+           (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
+              AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots} AS full,
+           EXISTS (SELECT 1 FROM reservation_seat s
+                   JOIN cluster_reservation r ON r.id = s.reservation_id
+                   WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
+               AS reserved
+    FROM worker w WHERE w.id = %(worker)s
+), claimed AS (
+    INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, derivation_build_id,
+                                worker_id, project_id, steps, dispatched_at)
+    SELECT %(assignment)s, '{kind}', '{prefix}' || pick.id::text, {eval_id}, {build_id},
+           w.id, pick.project_id, CASE pick.status {steps} END, %(now)s
+    FROM pick, worker w
+    WHERE NOT (w.draining OR w.full OR w.reserved)
+    ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
+    RETURNING steps
+), assigned AS (
+    UPDATE {table} j SET status = CASE pick.status {targets} END
+    FROM pick, claimed WHERE j.id = pick.id
+), unidle AS (
+    DELETE FROM idle_slot s
+    WHERE s.worker_id = %(worker)s AND s.kind = '{kind}' AND EXISTS (SELECT 1 FROM claimed)
+), overtaken AS (
+    UPDATE {table} j SET passed_over = j.passed_over + 1
+    FROM (SELECT f.id FROM {table} f
+          WHERE f.id = %(first)s AND f.status IN ({statuses}) AND f.passed_over < 32767
+          FOR NO KEY UPDATE SKIP LOCKED) f
+    WHERE j.id = f.id AND f.id <> (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)
+)
+SELECT (SELECT id FROM pick), (SELECT steps FROM claimed),
+       w.draining OR w.full, w.reserved
+FROM worker w
 """
 
-PASSED_OVER_SQL = """
-UPDATE {table} SET passed_over = passed_over + 1
-WHERE id = %(first)s AND status IN ({statuses}) AND passed_over < 32767
-"""
+
+def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob]:
+    """The head's single jobs in the order the single path gives them: prioritized first; one
+    passed over by a window of younger jobs while first in line; the least to fetch (a job
+    never scored is the most expensive); the older (the head comes oldest first)."""
+    overdue = window()
+
+    def order(item):
+        position, job = item
+        size = sizes.get(job.key)
+        return (not job.prioritized, job.passed_over < overdue, size is None, size or 0, position)
+
+    return [job for _, job in sorted(enumerate(head), key=order)]
 
 
-class Candidate(NamedTuple):
-    """A row of CANDIDATES_SQL."""
-
-    id: uuid.UUID
-    status: str
-    substitute: bool
-    project_id: int
-    project: str
-    architecture: str
-    required_features: list[str]
-    paths: list[str]
-    first: uuid.UUID
-
-
-def candidates(worker: Worker, how: Offerable, *, limit=CANDIDATES) -> list[Candidate]:
-    """The single jobs of this worker's head, best first."""
-    _, prefix = job_table(how.kind)
-    sql = CANDIDATES_SQL.format(singles=singles_sql(how), prefix=prefix)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, {**platform_params(worker), "limit": limit})
-        return [Candidate._make(row) for row in cursor.fetchall()]
-
-
-def pass_over(how: Offerable, job: Candidate) -> None:
-    """A job was given out ahead of the head's first in line: count it against that one."""
-    if job.first == job.id:
-        return
-    table, _ = job_table(how.kind)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            PASSED_OVER_SQL.format(table=table, statuses=literals(how.statuses)),
-            {"first": job.first},
-        )
-
-
-def _claim_one(worker: Worker, how: Offerable, job: Candidate) -> Assignment | None:
-    assignment = Assignment(
-        gate=ClaimGate(how.kind, job.id, job.substitute),
-        worker_id=worker.pk,
-        project_id=job.project_id,
-        steps=how.steps_for[job.status],
+@functools.cache
+def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -> str:
+    table, prefix = job_table(kind)
+    moves = dict(zip(statuses, steps, strict=True))
+    return CLAIM_SQL.format(
+        table=table,
+        prefix=prefix,
+        kind=kind,
+        statuses=literals(statuses),
+        slots="max_concurrent_builds" if kind == JobKind.BUILD else "max_concurrent_evals",
+        eval_id="pick.id" if kind == JobKind.EVAL else "NULL::uuid",
+        build_id="pick.id" if kind == JobKind.BUILD else "NULL::uuid",
+        steps=" ".join(f"WHEN '{s}' THEN '{{{','.join(st)}}}'::text[]" for s, st in moves.items()),
+        targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
+        skip="SKIP LOCKED" if skip else "",
     )
-    with transaction.atomic(durable=True):
-        if not claim_assignment(assignment):
-            return None
-        if not _assigned_transition(how.kind, job.id, job.status, assignment.steps):
-            transaction.set_rollback(True)
-            return None
-        IdleSlot.objects.filter(worker=worker, kind=how.kind).delete()
-    return assignment
 
 
-def _assigned_transition(kind, job_id, status, steps) -> bool:
+def _assigned(kind: str, status: str, steps: tuple[str, ...]) -> str:
+    """The Assigned transition of a job claimed from `status` for these steps."""
     if kind == JobKind.BUILD:
-        return advance_build(job_id, BuildStatus.BUILDING, {BuildStatus.QUEUED})
-    to = EvaluationStatus.FETCHING if steps == FETCH_STEPS else EvaluationStatus.EVALUATING_FLAKE
-    return advance_evaluation(job_id, to, {status})
+        to = BuildStatus.BUILDING
+        assert status in BUILD_SOURCES[to]
+        return to
+    to = (
+        EvaluationStatus.FETCHING
+        if list(steps) == FETCH_STEPS
+        else EvaluationStatus.EVALUATING_FLAKE
+    )
+    assert status in EVALUATION_SOURCES[to]
+    return to
+
+
+class Claimed(NamedTuple):
+    job: HeadJob | None  # the job claimed, None if none
+    assignment: uuid.UUID | None
+    steps: list[str]
+    no_room: bool  # full or draining
+    reserved: bool
+
+
+NOTHING = Claimed(None, None, [], False, False)
+
+
+def claim_best(worker_id: int, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
+    """Claim the first of `jobs` (ranked) that can be claimed."""
+    by_id = {job.id: job for job in jobs}
+    statuses = how.statuses
+    steps = tuple(tuple(how.steps_for[s]) for s in statuses)
+    skip = True
+    while by_id:
+        assignment = uuid.uuid4()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _claim_sql(how.kind, statuses, steps, skip),
+                {
+                    "ids": list(by_id),
+                    "worker": worker_id,
+                    "assignment": assignment,
+                    "now": timezone.now(),
+                    "first": first.id,
+                },
+            )
+            picked, claimed_steps, no_room, reserved = cursor.fetchone()
+        if no_room or reserved:
+            return NOTHING._replace(no_room=no_room, reserved=reserved)
+        if picked is None:
+            if not skip:
+                break
+            skip = False  # every one locked: wait for the best, a lock may be a moment's
+            continue
+        job = by_id.pop(picked)
+        if claimed_steps is not None:
+            return Claimed(job, assignment, claimed_steps, False, False)
+    return NOTHING
 
 
 # One statement, outside any transaction: update_or_create would take four round trips
 # (BEGIN, SELECT ... FOR UPDATE, the write, COMMIT) on every unanswered RequestJob. The slot is
-# recorded only while the worker still has room for the kind: a cluster claim that seated it
-# since the RequestJob counted its assignments (the offer and the candidates come between)
-# has taken the slot, and recording it again would seat the worker twice, a prepare lost.
+# recorded only while the worker still has room for the kind, and cleared when it has none: a
+# cluster claim that seated it since the RequestJob counted its assignments has taken the
+# slot, and recording it again would seat the worker twice, a prepare lost.
 RECORD_IDLE_SQL = """
-INSERT INTO idle_slot (worker_id, kind, recorded_at)
-SELECT w.id, %(kind)s::text, %(now)s FROM worker w
-WHERE w.id = %(worker)s
-  AND (SELECT count(*) FROM dispatched_job d
-       WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL)
-      < CASE WHEN %(kind)s::text = 'build' THEN w.max_concurrent_builds
-             ELSE w.max_concurrent_evals END
-ON CONFLICT (worker_id, kind) DO UPDATE SET recorded_at = EXCLUDED.recorded_at
+WITH room AS (
+    SELECT w.id, NOT w.draining AND (SELECT count(*) FROM dispatched_job d
+                   WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL)
+                  < CASE WHEN %(kind)s::text = 'build' THEN w.max_concurrent_builds
+                         ELSE w.max_concurrent_evals END AS free
+    FROM worker w WHERE w.id = %(worker)s
+), kept AS (
+    INSERT INTO idle_slot (worker_id, kind, recorded_at)
+    SELECT id, %(kind)s::text, %(now)s FROM room WHERE free
+    ON CONFLICT (worker_id, kind) DO UPDATE SET recorded_at = EXCLUDED.recorded_at
+)
+DELETE FROM idle_slot s USING room
+WHERE s.worker_id = room.id AND s.kind = %(kind)s::text AND NOT room.free
 """
 
 
@@ -138,72 +206,53 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
     slots.delete()
 
 
-# The worker with what a RequestJob of one kind asks of its state: its open assignments of the
-# kind (held cluster members count against its slots) and whether that slot is a seat of the
-# active aging reservation (clusters.reservation): then it gets no single job of the kind.
-# Written out: as an ORM query, compiling it cost daphne more than PostgreSQL spent running it.
-LOAD_WORKER_SQL = """
-SELECT {columns},
-       (SELECT count(*) FROM dispatched_job d
-        WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL),
-       EXISTS (SELECT 1 FROM reservation_seat s
-               JOIN cluster_reservation r ON r.id = s.reservation_id
-               WHERE s.worker_id = w.id AND s.kind = %(kind)s AND r.released_at IS NULL)
-FROM worker w WHERE w.id = %(worker)s
-"""
-WORKER_FIELDS = [f.attname for f in Worker._meta.concrete_fields]
-
-
-def load_worker(worker_id: int, kind: str) -> Worker:
-    """The worker's row, with `open_count` and `reserved` for a RequestJob of this kind."""
-    sql = LOAD_WORKER_SQL.format(columns=", ".join(f"w.{name}" for name in WORKER_FIELDS))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, {"worker": worker_id, "kind": kind})
-        row = cursor.fetchone()
-    if row is None:
-        raise Worker.DoesNotExist(worker_id)
-    worker = Worker.from_db(connection.alias, WORKER_FIELDS, row[:-2])
-    worker.open_count, worker.reserved = row[-2:]
-    return worker
-
-
-def request_job(worker_id: int, kind: str, worker: Worker | None = None) -> AssignJob | None:
-    """Answer a RequestJob: an AssignJob for the best job this worker can take now, or None
-    after recording an idle slot (none when the worker is full, draining or cannot serve).
-    `worker`, when given, comes from load_worker(worker_id, kind)."""
-    worker = worker or load_worker(worker_id, kind)
+def request_job(
+    worker_id: int,
+    kind: str,
+    worker: Worker | None = None,
+    head: list[HeadJob] | None = None,
+    sizes: Mapping[str, int | None] | None = None,
+) -> AssignJob | None:
+    """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
+    take now, or None after recording an idle slot (none when it is full, draining or cannot
+    serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
+    worker's scores of them (workers.offers.Offered); without them the head is read now."""
+    worker = worker or Worker.objects.get(pk=worker_id)
     how = offerable(worker, kind)
-    limit = worker.max_concurrent_builds if kind == JobKind.BUILD else worker.max_concurrent_evals
-    if how is None or worker.draining or worker.open_count >= limit:
+    if how is None or worker.draining:
         clear_idle(worker_id, kind)
         return None
-    if worker.reserved:
-        # A reserved seat: no new single job of this kind, and its idle slot is what lets
-        # the reservation commit.
-        record_idle(worker_id, kind)
-        return None
-    for job in candidates(worker, how):
-        assignment = _claim_one(worker, how, job)
-        if assignment is not None:
-            pass_over(how, job)
-            return assign_frame(assignment, job)
+    for read in range(HEAD_READS):
+        jobs = head if read == 0 and head is not None else read_singles(worker, how)
+        if not jobs:
+            break
+        claimed = claim_best(worker_id, how, ranked(jobs, sizes or {}), jobs[0])
+        if claimed.no_room:
+            clear_idle(worker_id, kind)
+            return None
+        if claimed.reserved:
+            # A reserved seat: no new single job of this kind, and its idle slot is what lets
+            # the reservation commit.
+            record_idle(worker_id, kind)
+            return None
+        if claimed.job is not None:
+            return assign_frame(claimed)
     record_idle(worker_id, kind)
     return None
 
 
-def assign_frame(assignment: Assignment, job: Candidate) -> AssignJob:
-    gate = assignment.gate
-    is_eval = gate.kind == JobKind.EVAL
+def assign_frame(claimed: Claimed) -> AssignJob:
+    job, is_eval = claimed.job, claimed.job.kind == JobKind.EVAL
     return AssignJob(
-        job_id=gate.key,
-        assignment_id=str(assignment.id),
+        job_id=job.key,
+        assignment_id=str(claimed.assignment),
         job=JobSpec(
-            kind=gate.kind,
+            kind=job.kind,
             project=job.project,
-            evaluation=str(gate.job) if is_eval else None,
-            build=None if is_eval else str(gate.job),
+            evaluation=str(job.id) if is_eval else None,
+            build=None if is_eval else str(job.id),
             architecture=job.architecture,
             required_features=job.required_features,
-            steps=assignment.steps,
+            steps=claimed.steps,
         ),
     )

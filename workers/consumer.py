@@ -25,6 +25,7 @@ from gradient.logs import ids
 from workers import assignment, connection, offers, reports
 from workers.frame_queue import FrameQueue
 from workers.groups import worker_group
+from workers.models import Worker
 from workers.protocol import (
     MAX_FRAME_BYTES,
     AssignJobResponse,
@@ -184,27 +185,27 @@ def session_starts() -> Starts:
     return _starts[loop]
 
 
-def offer_or_answer(worker_id: int, kind: str, wait: bool = True):
-    """RequestJob: the worker's head jobs it was not offered yet, if any, and the answer
-    unless it waits for their scores (`wait`)."""
-    worker = assignment.load_worker(worker_id, kind)
-    offer = offers.offer_head(worker, tracking.member_head_parts(worker))
-    if offer is not None and wait:
-        return offer, None
-    return offer, answer_request(worker_id, kind, worker)
+def read_head(worker, offered: offers.Offered) -> offers.Head:
+    """The worker's head, with the JobOffer of what it was not offered on this connection."""
+    return offers.offer_head(worker, offered, tracking.member_head_parts(worker))
 
 
-def answer_request(worker_id: int, kind: str, worker=None):
+def answer_request(worker_id: int, kind: str, worker=None, head=None, sizes=None):
     """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
     and a cluster may now have its full placement, so the dispatch pass wakes."""
-    assign = assignment.request_job(worker_id, kind, worker)
+    assign = assignment.request_job(worker_id, kind, worker, head, sizes)
     if assign is None:
         wake_dispatch()
     return assign
 
 
-def first_offer(worker):
-    return offers.offer_head(worker, tracking.member_head_parts(worker))
+def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
+    """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
+    None), with no wait for the scores in between; a session waits for them."""
+    worker = worker or Worker.objects.get(pk=worker_id)
+    offered = offered if offered is not None else offers.Offered()
+    head = read_head(worker, offered)
+    return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)
 
 
 class Touch(NamedTuple):
@@ -267,6 +268,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.start_began()
         self.worker_id, self.worker_name = worker
         self.ready = False
+        self.worker = None  # its row, from its capabilities
+        self.offered = offers.Offered()  # the single jobs offered on this connection
+        self.head: offers.Head | None = None  # what the last offer read
         # RequestJobs waiting for the worker's scores of the offer made for them.
         self.awaiting: list[str] = []
         self.offers_made = 0
@@ -423,6 +427,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # On the handshake's threads too: InitAck ends a worker's start, and must not queue
         # behind the offers and RequestJobs of the sessions already started.
         worker = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
+        self.worker = worker
         self.ready = True
         self.slots = {"eval": caps.max_concurrent_evals, "build": caps.max_concurrent_builds}
         await self.reply(InitAck(worker=worker.name))
@@ -433,9 +438,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.queue_bulk(OfferAll(worker))
 
     async def on_OfferAll(self, offer_all: "OfferAll"):
-        offer = await db(first_offer)(offer_all.worker)
-        if offer is not None:
-            await self.reply(offer)
+        self.head = await db(read_head)(offer_all.worker, self.offered)
+        if self.head.offer is not None:
+            await self.reply(self.head.offer)
 
     async def on_RequestJob(self, request: RequestJob):
         # The single path chooses by the scores of the head: a request that comes with new
@@ -444,17 +449,17 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             if self.awaiting.count(request.kind) < self.slots.get(request.kind, 0):
                 self.awaiting.append(request.kind)
             return
+        self.head = await db(read_head)(self.worker, self.offered)
         wait = settings.GRADIENT["SCORE_WAIT_MS"] / 1000
-        offer, assign = await db(offer_or_answer)(self.worker_id, request.kind, bool(wait))
-        if offer is not None:
-            await self.reply(offer)
-        if assign is not None:
-            await self.reply(assign)
-        elif offer is not None and wait:
-            self.awaiting.append(request.kind)
-            self.offers_made += 1
-            later = ScoresLate(self.offers_made)
-            asyncio.get_running_loop().call_later(wait, self.bulk.put, later)
+        if self.head.offer is not None:
+            await self.reply(self.head.offer)
+            if wait:
+                self.awaiting.append(request.kind)
+                self.offers_made += 1
+                later = ScoresLate(self.offers_made)
+                asyncio.get_running_loop().call_later(wait, self.bulk.put, later)
+                return
+        await self.answer(request.kind)
 
     async def on_ScoresLate(self, late: "ScoresLate"):
         if late.offer == self.offers_made:
@@ -463,15 +468,22 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def answer_awaiting(self):
         kinds, self.awaiting = self.awaiting, []
         for kind in kinds:
-            assign = await db(answer_request)(self.worker_id, kind)
-            if assign is not None:
-                await self.reply(assign)
+            await self.answer(kind)
+
+    async def answer(self, kind: str):
+        head = self.head.singles[kind] if self.head is not None else None
+        sizes = dict(self.offered.sizes)
+        assign = await db(answer_request)(self.worker_id, kind, self.worker, head, sizes)
+        if assign is not None:
+            await self.reply(assign)
 
     async def on_JobScores(self, scores: JobScores):
         # One row per job: a job scored twice in one frame keeps its last score (PostgreSQL
         # refuses an upsert that touches one row twice).
         latest = list({score.job_id: score for score in scores.scores}.values())
-        await db(offers.record_scores)(self.worker_id, latest)
+        members = self.offered.record(latest)
+        if members:
+            await db(offers.record_scores)(self.worker_id, members)
         if self.awaiting:
             await self.answer_awaiting()  # an unanswered request wakes the pass itself
         elif self.asked:
@@ -503,6 +515,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def on_Draining(self, _: Draining):
         await report_db(connection.start_draining)(self.worker_id)
+        if self.worker is not None:
+            self.worker.draining = True
 
     # Messages from other processes, through the worker's group
 

@@ -1,58 +1,74 @@
 """JobOffer and JobScores: the head of the queue offered to a worker, and what it would fetch.
 
-A worker's job_score rows are its offers on this connection (attach deletes them): a row is
-written when a job is offered, without a score, and the answer fills it in. An offer sends the
-head's jobs that have no row yet, so a worker scores a job once per connection, whichever
-process offered it; and it deletes the rows of jobs that left the head, so a worker holds rows
-for its head alone (about twice the window per kind), however deep the queue.
+A worker is offered, before a RequestJob is answered, the jobs of its head it was not offered
+on this connection (workers.head, clusters.tracking.member_head_parts). Single jobs and members
+are remembered apart, by who reads their scores:
+- a single job's score serves only this worker's next choice on this connection, so the
+  session keeps the offers and the scores (`Offered`), for the jobs at its head alone;
+- a member's score serves the dispatch pass, so it is a job_score row: written when the job
+  is offered, without a score, filled in by the answer, and deleted once the job left the
+  worker's head. A worker's rows are its offers on this connection (attach deletes them), so
+  a member is offered once per connection whichever process offers it.
 """
+
+import json
+import uuid
+from collections.abc import Iterable
+from datetime import timedelta
 
 from django.db import connection as db_connection
 from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
-from workers.head import job_table, offerable, platform_params, singles_sql
+from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
 from workers.protocol import JobOffer, OfferedJob
 
-# A part of the head as the offer reads it: one row per job, with what a JobOffer names.
-OFFERED_COLUMNS = "key, kind, project, architecture, required_features, paths, member"
+SETTLE = timedelta(seconds=10)
 
-SINGLES_PART = """
-SELECT '{prefix}' || h.id::text AS key, '{kind}'::text AS kind, h.project, h.architecture,
-       h.required_features, h.paths, false AS member
-FROM ({singles}) h
+NO_MEMBERS = """
+SELECT NULL::text AS key, NULL::text AS kind, NULL::text AS project, NULL::text AS architecture,
+       NULL::text[] AS required_features, NULL::text[] AS paths
+WHERE false
 """
 
+# The worker's head in one statement: the single jobs of each kind as rows (HeadJob's fields),
+# and the members new to this connection as the JobOffer's own JSON, made by PostgreSQL;
+# member rows of jobs that left the head are deleted, the new ones written. A row written in
+# the last SETTLE stays: the dispatch pass offers a cluster before it marks it waiting, and the
+# answer to that offer must outlive the worker's own offers in between.
 OFFER_SQL = """
-WITH head AS ({parts}),
+WITH singles AS ({singles}),
+members AS ({members}),
 dropped AS (
     DELETE FROM job_score s
-    WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM head))
+    WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM members))
+      AND coalesce(s.scored_at, s.offered_at) < %(settled)s
 ),
 fresh AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT %(worker)s, key, %(now)s FROM head
+    SELECT %(worker)s, key, %(now)s FROM members
     ON CONFLICT (worker_id, job_id) DO NOTHING
     RETURNING job_id
 )
-SELECT coalesce(json_agg(json_build_object(
-           'job_id', h.key, 'kind', h.kind, 'project', h.project,
-           'architecture', h.architecture, 'required_features', h.required_features,
-           'paths', h.paths) ORDER BY h.kind, h.member, h.key), '[]')::text,
-       coalesce(bool_or(h.member), false)
-FROM head h JOIN fresh f ON f.job_id = h.key
+SELECT (SELECT coalesce(json_agg(json_build_array(
+            key, kind, id, status, substitute, project_id, project, architecture,
+            required_features, paths, prioritized, passed_over, created_at)
+            ORDER BY kind, prioritized DESC, created_at), '[]') FROM singles)::text,
+       (SELECT coalesce(json_agg(json_build_object(
+            'job_id', m.key, 'kind', m.kind, 'project', m.project,
+            'architecture', m.architecture, 'required_features', m.required_features,
+            'paths', m.paths)), '[]')
+        FROM members m JOIN fresh f ON f.job_id = m.key)::text
 """
 
 
 class RenderedOffer:
-    """A JobOffer as the frame to send, made by PostgreSQL (`jobs` parses it, for tests);
-    `members` tells whether it offers a cluster member."""
+    """A JobOffer as the frame to send (`jobs` parses it, for tests)."""
 
-    def __init__(self, jobs_json: str, members: bool = False):
+    def __init__(self, jobs_json: str):
         self.text = '{"type":"JobOffer","jobs":' + jobs_json + "}"
-        self.members = members
 
     def frame(self) -> str:
         return self.text
@@ -62,37 +78,88 @@ class RenderedOffer:
         return JobOffer.model_validate_json(self.text).jobs
 
 
+class Offered:
+    """A session's offers of the single jobs at its worker's head, with the worker's scores of
+    them (a missing_nar_size, None until answered), for as long as each job stays at the head."""
+
+    def __init__(self):
+        self.sizes: dict[str, int | None] = {}
+
+    def fresh(self, head: list[HeadJob]) -> list[HeadJob]:
+        """The jobs of the head not offered yet, now counted as offered; the others forgotten."""
+        at_head = {job.key for job in head}
+        self.sizes = {key: size for key, size in self.sizes.items() if key in at_head}
+        new = [job for job in head if job.key not in self.sizes]
+        self.sizes.update((job.key, None) for job in new)
+        return new
+
+    def record(self, scores: Iterable) -> list:
+        """Keep the scores of the single jobs offered; the others (members) are returned."""
+        rest = []
+        for score in scores:
+            if score.job_id in self.sizes:
+                self.sizes[score.job_id] = score.missing_nar_size
+            else:
+                rest.append(score)
+        return rest
+
+
+class Head:
+    """What one offer read: the single jobs at the head per kind, and the JobOffer, if any."""
+
+    def __init__(self, singles: list[HeadJob], offer: RenderedOffer | None):
+        self.offer = offer
+        self.singles: dict[str, list[HeadJob]] = {kind: [] for kind in JobKind.values}
+        for job in singles:
+            self.singles[job.kind].append(job)
+
+
 def singles_parts(worker: Worker) -> list[str]:
     """The single jobs' part of each kind's head this worker can serve."""
-    parts = []
-    for how in (offerable(worker, kind) for kind in JobKind.values):
-        if how is not None:
-            _, prefix = job_table(how.kind)
-            singles = singles_sql(how)
-            parts.append(SINGLES_PART.format(prefix=prefix, kind=how.kind, singles=singles))
-    return parts
+    archs = len(worker.architectures)
+    return [singles_sql(how, archs) for kind in JobKind.values if (how := offerable(worker, kind))]
 
 
-def offer_head(worker: Worker, member_parts=()) -> RenderedOffer | None:
-    """Offer the worker its head's jobs it has not been offered on this connection, and forget
-    the offers of jobs that left its head; None when there is nothing new. `member_parts` are
-    the members' parts (clusters.tracking.member_head_parts), in OFFERED_COLUMNS."""
+def offer_head(worker: Worker, offered: Offered | None = None, member_parts=()) -> Head:
+    """Read the worker's head and offer it the jobs it has not been offered on this connection
+    (`offered` remembers the single jobs; without it, every single job counts as new).
+    `member_parts` are the members' parts (clusters.tracking.member_head_parts)."""
+    offered = offered if offered is not None else Offered()
     if worker.draining:
-        return None
-    parts = [*singles_parts(worker), *member_parts]
-    if not parts:
-        return None
-    sql = OFFER_SQL.format(parts=" UNION ".join(f"({part})" for part in parts))
+        return Head([], None)
+    singles = singles_parts(worker)
+    members = list(member_parts) or [NO_MEMBERS]
+    sql = OFFER_SQL.format(
+        singles=" UNION ALL ".join(f"({part})" for part in singles) if singles else NO_SINGLES,
+        members=" UNION ".join(f"({part})" for part in members),
+    )
     with db_connection.cursor() as cursor:
-        cursor.execute(sql, {**platform_params(worker), "now": timezone.now()})
-        jobs_json, members = cursor.fetchone()
-    if jobs_json == "[]":
-        return None
-    return RenderedOffer(jobs_json, members)
+        now = timezone.now()
+        cursor.execute(sql, {**platform_params(worker), "now": now, "settled": now - SETTLE})
+        singles_json, members_json = cursor.fetchone()
+    head = [_head_job(row) for row in json.loads(singles_json)]
+    new = [job.offered() for job in offered.fresh(head)]
+    items = ([json.dumps(new)[1:-1]] if new else []) + (
+        [members_json[1:-1]] if members_json != "[]" else []
+    )
+    return Head(head, RenderedOffer("[" + ",".join(items) + "]") if items else None)
 
 
-# A JobScores answer in one statement, no model instances. A score for a job not offered is
-# kept too: the next offer forgets it unless the job is at the worker's head.
+NO_SINGLES = """
+SELECT NULL::text AS key, NULL::text AS kind, NULL::uuid AS id, NULL::text AS status,
+       NULL::bool AS substitute, NULL::bigint AS project_id, NULL::text AS project,
+       NULL::text AS architecture, NULL::text[] AS required_features, NULL::text[] AS paths,
+       NULL::bool AS prioritized, NULL::int AS passed_over, NULL::timestamptz AS created_at
+WHERE false
+"""
+
+
+def _head_job(row: list) -> HeadJob:
+    job = HeadJob._make(row)
+    return job._replace(id=uuid.UUID(job.id))
+
+
+# A JobScores answer for members, in one statement, no model instances.
 RECORD_SCORES_SQL = """
 INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
 SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
@@ -105,8 +172,9 @@ SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_
 
 
 def record_scores(worker_id: int, scores) -> int:
-    """Store a JobScores answer. One score per job: PostgreSQL refuses an upsert that touches
-    one row twice."""
+    """Store the scores of members (or of keys not offered as single jobs: the next offer
+    deletes those unless the job is at the worker's head). One score per job: PostgreSQL
+    refuses an upsert that touches one row twice."""
     if not scores:
         return 0
     with db_connection.cursor() as cursor:

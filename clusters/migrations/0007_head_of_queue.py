@@ -43,6 +43,14 @@ class Migration(migrations.Migration):
             ),
         ),
         migrations.AddIndex(
+            model_name="clusterjob",
+            index=models.Index(
+                fields=["project", "-prioritized", "created_at", "id"],
+                condition=Q(waiting_since__isnull=False),
+                name="idx-cluster_job-waiting-proj",
+            ),
+        ),
+        migrations.AddIndex(
             model_name="clustermember",
             index=models.Index(
                 fields=["pin"], condition=Q(pin__isnull=False), name="idx-cluster_member-pin"

@@ -99,13 +99,19 @@ class Evaluation(JobFields):
         indexes = [
             # The head of the queue (workers.head): the single evaluations that can start
             # (Queued, or Fetching for the follow-up of a split one) in the single path's
-            # order, read up to the window. Members and finished evaluations are left out, so
-            # the read walks no further than the jobs a worker could take.
+            # order, read up to the window per architecture (and per project for a worker
+            # limited to some). Members and finished evaluations are left out, so the read
+            # walks no further than the jobs a worker could take.
             models.Index(
-                fields=["-prioritized", "created_at"],
+                fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",
                 condition=Q(status__in=["Queued", "Fetching"], active_member=False),
-            )
+            ),
+            models.Index(
+                fields=["project", "architecture", "-prioritized", "created_at"],
+                name="idx-evaluation-head-proj",
+                condition=Q(status__in=["Queued", "Fetching"], active_member=False),
+            ),
         ]
 
     def __str__(self):
@@ -130,10 +136,15 @@ class DerivationBuild(JobFields):
         indexes = [
             # The head of the queue, as for evaluations.
             models.Index(
-                fields=["-prioritized", "created_at"],
+                fields=["architecture", "-prioritized", "created_at"],
                 name="idx-derivation_build-head",
                 condition=Q(status="Queued", active_member=False),
-            )
+            ),
+            models.Index(
+                fields=["project", "architecture", "-prioritized", "created_at"],
+                name="idx-derivation_build-head-proj",
+                condition=Q(status="Queued", active_member=False),
+            ),
         ]
 
     def __str__(self):

@@ -68,16 +68,32 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name="evaluation",
             index=models.Index(
-                fields=["-prioritized", "created_at"],
+                fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",
+                condition=Q(status__in=["Queued", "Fetching"], active_member=False),
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="evaluation",
+            index=models.Index(
+                fields=["project", "architecture", "-prioritized", "created_at"],
+                name="idx-evaluation-head-proj",
                 condition=Q(status__in=["Queued", "Fetching"], active_member=False),
             ),
         ),
         migrations.AddIndex(
             model_name="derivationbuild",
             index=models.Index(
-                fields=["-prioritized", "created_at"],
+                fields=["architecture", "-prioritized", "created_at"],
                 name="idx-derivation_build-head",
+                condition=Q(status="Queued", active_member=False),
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="derivationbuild",
+            index=models.Index(
+                fields=["project", "architecture", "-prioritized", "created_at"],
+                name="idx-derivation_build-head-proj",
                 condition=Q(status="Queued", active_member=False),
             ),
         ),
