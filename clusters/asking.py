@@ -5,13 +5,15 @@ its members, and the dispatch pass places it on their answers, or GRADIENT_SCORE
 the offers for a worker that has not answered: a cluster that meets an idle fleet is seated by
 its scores, not by ties. The offers are job_score rows without a score, as a session's are, so
 each pair is offered once per connection whichever process offers it. A pass offers the
-clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in the planner's order);
-a new cluster beyond it waits for a later pass.
+clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in the planner's order),
+each member to at most a window of its idle seats; a new cluster beyond the head waits for a
+later pass.
 """
 
 import json
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
+from itertools import zip_longest
 
 from django.conf import settings
 from django.db import connection
@@ -64,6 +66,7 @@ class Asking:
         self.now = now
         self.book = {c.id: c for c in clusters}
         self.workers = workers
+        self.alike = alike(workers)
         self.left = Counter({kind: window() for kind in planner.KINDS})
         self.due: datetime | None = None
         self.offered: list[int] = []
@@ -123,7 +126,7 @@ class Asking:
         pairs = [
             (worker.id, member.key)
             for member in cluster.members
-            for worker in seats(member.planned(), self.workers)
+            for worker in asked(seats(member.planned(), self.alike))
         ]
         if not pairs:
             return False
@@ -148,19 +151,35 @@ class Asking:
         return True
 
 
-def seats(member: planner.Member, workers: tuple[planner.Worker, ...]) -> list[planner.Worker]:
-    """The workers that could seat the member: the planner's own eligibility, asked once per
-    kind of worker (workers alike in all it looks at but the name) rather than per worker."""
-    alike = defaultdict(list)
+def alike(workers: tuple[planner.Worker, ...]) -> list[list[planner.Worker]]:
+    """The workers grouped by all the planner's eligibility looks at but the name, so that it
+    is asked once per group rather than per worker."""
+    groups = defaultdict(list)
     for worker in workers:
-        alike[_profile(worker)].append(worker)
+        groups[_profile(worker)].append(worker)
+    return list(groups.values())
+
+
+def seats(member: planner.Member, groups: list[list[planner.Worker]]) -> list[planner.Worker]:
+    """The workers that could seat the member, by the planner's own eligibility."""
     out = []
-    for group in alike.values():
+    for group in groups:
         if member.pin is not None:
             group = [w for w in group if w.name == member.pin]
         if group and planner.seat_reason(member, group[0]) is None:
             out += group
     return out
+
+
+def asked(workers: list[planner.Worker]) -> list[planner.Worker]:
+    """At most a window of a member's seats, taken in turn from each zone: what a start costs
+    stays bounded however large an idle fleet, and a same_zone cluster has scored seats in
+    every zone to choose among."""
+    by_zone = defaultdict(list)
+    for worker in sorted(workers, key=lambda w: w.id):
+        by_zone[worker.zone].append(worker)
+    turns = zip_longest(*by_zone.values())
+    return [w for turn in turns for w in turn if w is not None][: window()]
 
 
 def _profile(worker: planner.Worker) -> tuple:

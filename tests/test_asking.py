@@ -12,7 +12,7 @@ from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory
 from workers import offers
-from workers.models import JobScore
+from workers.models import JobScore, Worker
 from workers.protocol import Score
 
 pytestmark = pytest.mark.django_db
@@ -114,3 +114,17 @@ def test_with_no_score_wait_a_new_cluster_is_placed_at_once_and_nobody_is_asked(
     assert run_pass().claimed == [cluster.pk]
     frames = [f for w in workers for f in inbox.frames(w)]
     assert {f["type"] for f in frames} == {"AssignJob"}
+
+
+def test_an_idle_fleet_is_asked_a_window_of_seats_per_member_from_every_zone(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
+    workers = idle_workers(10, kinds=("build",), zone="a") + idle_workers(
+        10, kinds=("build",), zone="b"
+    )
+    cluster = cluster_of_builds(1, same_zone=True)
+    run_pass()
+    asked = Worker.objects.filter(
+        pk__in=JobScore.objects.filter(job_id__in=keys(cluster)).values("worker")
+    )
+    assert sorted(w.zone for w in asked) == ["a", "a", "b", "b"]
+    assert len(workers) == 20
