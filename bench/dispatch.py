@@ -85,8 +85,17 @@ def populate(clusters: int, workers: int) -> dict:
     # Pins go to distinct workers that could seat them (i = 3 mod 10: any project, evals).
     pin_every = 10
     spacing = max(workers // max(clusters // pin_every, 1), 1)
+    # Every cluster was offered to the fleet a while ago (clusters.asking), and a fifth of the
+    # pairs answered: the pass places on those scores rather than wait for more.
+    offered = timezone.now() - timedelta(minutes=5)
     jobs = ClusterJob.objects.bulk_create(
-        ClusterJob(project=p1 if i % 2 else p2, same_zone=i % 3 == 0) for i in range(clusters)
+        ClusterJob(
+            project=p1 if i % 2 else p2,
+            same_zone=i % 3 == 0,
+            prioritized=i % 20 == 0,
+            offered_at=offered,
+        )
+        for i in range(clusters)
     )
     evals = Evaluation.objects.bulk_create(
         Evaluation(project=job.project, prioritized=i % 20 == 0 and n == 0)

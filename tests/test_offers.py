@@ -205,7 +205,7 @@ def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
         DerivationBuild(project=project, status="Queued") for _ in range(2000)
     )
     with db_connection.cursor() as cursor:
-        cursor.execute("ANALYZE")
+        cursor.execute("ANALYZE evaluation, derivation_build")
     for call, walks in (
         (lambda: offered(worker), {"idx-evaluation-head", "idx-derivation_build-head"}),
         (lambda: read_singles(worker, offerable(worker, "eval")), {"idx-evaluation-head"}),

@@ -485,10 +485,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         if members:
             await db(offers.record_scores)(self.worker_id, members)
         if self.awaiting:
-            await self.answer_awaiting()  # an unanswered request wakes the pass itself
-        elif self.asked:
+            await self.answer_awaiting()
+        if self.asked:  # the pass waits for these scores to place a cluster
+            self.asked = False
             await db(wake_dispatch)()
-        self.asked = False
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:
