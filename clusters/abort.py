@@ -1,6 +1,6 @@
 """Aborting a cluster job as an evaluation abort would (the spec's Recovery, the Abort verdict).
 
-- An open attempt is decided Abort through recovery.abort_attempt, the verdict path a member's
+- An open attempt is decided Abort through settlement.abort_attempt, the verdict path a member's
   evaluation abort takes: the attempt ends Aborted, the cluster Aborted, reported members
   settle with their own outcome and survivors end Aborted and are told AbortCluster. A started
   attempt's survivors also get AbortJob, as an evaluation abort reaches a running job; their
@@ -29,7 +29,7 @@ from clusters.models import (
     ClusterMember,
     ClusterStatus,
 )
-from clusters.recovery import abort_attempt
+from clusters.settlement import abort_attempt
 from gradient.jobs.models import BuildStatus, DispatchedJob, DispatchedOutcome, EvaluationStatus
 from gradient.jobs.transitions import advance_builds, advance_evaluations
 from gradient.logs import ids

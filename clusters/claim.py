@@ -1,5 +1,5 @@
 """The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
-(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.recovery).
+(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
 
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
 first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim

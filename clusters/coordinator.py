@@ -1,5 +1,5 @@
 """The spec's Prepare and Start, and Signals: acceptances, rejections, held members' failures,
-StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
+the prepare timeout, StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
 
 Every decision is a transaction that re-reads the rows it decides on; messages to workers go
 out after the commit that justifies them.
@@ -7,9 +7,11 @@ out after the commit that justifies them.
 
 import logging
 import uuid
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 
 from clusters.claim import fail_prepare_attempt
 from clusters.models import ClusterAttempt, ClusterMember, ClusterStatus
@@ -142,14 +144,6 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
     return True
 
 
-def member_accepted(worker_id: int, job_id: str) -> bool:
-    """A member's acceptance (accept_assignment); True when it started the attempt."""
-    started = accept_assignment(worker_id, job_id)
-    if started is None:
-        raise NotAllowed(f"{job_id} is not a cluster member")
-    return started
-
-
 def _send_start(attempt_id, seats) -> None:
     """StartCluster to every seat of the started attempt; `seats` are (worker id, name, zone,
     endpoint, role, index), the roster in (role, index) order as _seats orders it."""
@@ -177,6 +171,17 @@ def abort_prepare(attempt_id, reason: str) -> bool:
     notify_abort(attempt_id, reason)
     log.info("attempt %s prepare failed: %s", attempt_id, reason, extra=ids(attempt=attempt_id))
     return True
+
+
+def expire_overdue_prepares(now=None) -> list:
+    """Open, unstarted attempts past their prepare deadline (scheduler.clusterPrepareTimeoutSecs
+    after the claim) close PrepareFailed, as a reject would."""
+    now = now or timezone.now()
+    deadline = now - timedelta(seconds=settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"])
+    overdue = ClusterAttempt.objects.filter(
+        finished_at__isnull=True, started_at__isnull=True, created_at__lt=deadline
+    ).values_list("pk", flat=True)
+    return [pk for pk in overdue if abort_prepare(pk, "prepare timed out")]
 
 
 def notify_abort(attempt_id, reason: str, workers=None) -> None:

@@ -24,8 +24,8 @@ from django.utils import timezone
 
 from clusters import planner, reservation
 from clusters.claim import ClusterClaim, claim_clusters
+from clusters.coordinator import expire_overdue_prepares
 from clusters.models import AttemptOutcome
-from clusters.recovery import expire_overdue_prepares
 from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,

@@ -143,10 +143,6 @@ class ClusterAttempt(models.Model):
     def __str__(self):
         return f"attempt {self.id}"
 
-    @property
-    def is_open(self) -> bool:
-        return self.finished_at is None
-
 
 class ClusterReservation(models.Model):
     """An aging reservation: a cluster that waited too long holds a placement over busy

@@ -1,5 +1,5 @@
 """claim_cluster and claim_clusters, close_cluster_attempt, the start (the last member's
-acceptance, coordinator.accept_assignment), fail-prepare and resolve (recovery.member_report),
+acceptance, coordinator.accept_assignment), fail-prepare and resolve (settlement.member_report),
 alone and raced from real concurrent connections."""
 
 import time
@@ -18,7 +18,7 @@ from clusters.claim import (
 )
 from clusters.coordinator import abort_prepare, accept_assignment
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
-from clusters.recovery import member_report
+from clusters.settlement import member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob, EvaluationStatus
@@ -245,12 +245,12 @@ def started(cluster):
 
 
 def fail_build(attempt_id):
-    """The build member reports JobFailed{transient} (recovery.member_report: the resolve)."""
+    """The build member reports JobFailed{transient} (settlement.member_report: the resolve)."""
     row = DispatchedJob.objects.get(cluster_attempt_id=attempt_id, kind="build")
     return member_report(row.worker_id, row.job_id, row.pk, "Failed", "transient")
 
 
-# Resolve is recovery.member_report (the verdict itself: tests/test_verdict.py; more of its
+# Resolve is settlement.member_report (the verdict itself: tests/test_verdict.py; more of its
 # settling: tests/test_member_reports.py). These hold the budget and the dead-member rule.
 
 
@@ -334,7 +334,7 @@ def refused(call):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_prepare_timeout_and_a_held_members_failure_close_the_attempt_once():
-    """Both are fail-prepare (coordinator.abort_prepare, as recovery's prepare timeout and a
+    """Both are fail-prepare (coordinator.abort_prepare, as the prepare timeout and a
     JobFailed before the start call it): one closes the attempt and tells the members, the
     other finds it closed and touches nothing."""
     workers = WorkerFactory.create_batch(2)

@@ -12,7 +12,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.coordinator import accept_assignment, member_rejected
-from clusters.recovery import member_report
+from clusters.settlement import member_report
 from clusters.verdict import ABORTING_FAILURES, REQUEUEING_FAILURES
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (

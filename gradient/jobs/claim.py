@@ -23,14 +23,6 @@ def job_key(kind: str, job_uuid) -> str:
     return f"{EVAL_PREFIX if kind == JobKind.EVAL else BUILD_PREFIX}{job_uuid}"
 
 
-def parse_job_key(key: str) -> tuple[str, uuid.UUID]:
-    """`eval:<uuid>` or `build:<uuid>` -> (kind, uuid); ValueError otherwise."""
-    kind, sep, rest = key.partition(":")
-    if not sep or kind not in (JobKind.EVAL, JobKind.BUILD):
-        raise ValueError(f"not a job key: {key!r}")
-    return kind, uuid.UUID(rest)
-
-
 @dataclass(frozen=True)
 class ClaimGate:
     """The start condition of one job. A build must still be Queued in the substitute mode the
