@@ -21,8 +21,9 @@ import logging
 from django.db import OperationalError, transaction
 from django.utils import timezone
 
-from clusters.claim import bound_lock_waits, set_cluster_status
+from clusters.claim import bound_lock_waits
 from clusters.models import (
+    CLUSTER_MACHINE,
     CLUSTER_TERMINAL,
     ClusterAttempt,
     ClusterJob,
@@ -31,7 +32,7 @@ from clusters.models import (
 )
 from clusters.settlement import abort_attempt
 from gradient.jobs.models import BuildStatus, DispatchedJob, DispatchedOutcome, EvaluationStatus
-from gradient.jobs.transitions import advance_builds, advance_evaluations
+from gradient.jobs.transitions import advance_builds, advance_evaluations, move
 from gradient.logs import ids
 from workers.groups import send_frames
 from workers.protocol import AbortJob
@@ -124,7 +125,8 @@ def _abort_waiting(cluster_id) -> bool:
             cluster_job_id=cluster_id, finished_at__isnull=True
         ).exists():
             return False
-        set_cluster_status(cluster_id, ClusterStatus.ABORTED, timezone.now())
+        if not move(CLUSTER_MACHINE, [cluster_id], ClusterStatus.ABORTED, at=timezone.now()):
+            return False
         members = ClusterMember.objects.filter(cluster_job_id=cluster_id).values_list(
             "evaluation_id", "derivation_build_id"
         )

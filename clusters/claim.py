@@ -22,9 +22,16 @@ from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
-from clusters.models import AttemptOutcome, ClusterStatus
+from clusters.models import (
+    ATTEMPT_MACHINE,
+    CLUSTER_CLAIMABLE,
+    CLUSTER_MACHINE,
+    AttemptOutcome,
+)
 from gradient.jobs.claim import Assignment, claim_assignments
 from gradient.jobs.models import (
+    BUILD_MACHINE,
+    DISPATCHED_MACHINE,
     EVALUATION_STARTABLE,
     BuildStatus,
     DispatchedOutcome,
@@ -63,7 +70,7 @@ def bound_lock_waits() -> None:
 OPEN_ATTEMPT_SQL = """
 INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
 SELECT %s, %s, %s
-WHERE EXISTS (SELECT 1 FROM cluster_job WHERE id = %s AND status = %s FOR SHARE)
+WHERE EXISTS (SELECT 1 FROM cluster_job WHERE id = %s AND status = ANY(%s) FOR SHARE)
 ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING id
 """
@@ -92,7 +99,7 @@ def claim_cluster(claim: ClusterClaim) -> bool:
                         claim.cluster_id,
                         claim.now,
                         claim.cluster_id,
-                        ClusterStatus.QUEUED.value,
+                        sorted(CLUSTER_CLAIMABLE),
                     ],
                 )
                 if cursor.fetchone() is None:
@@ -139,7 +146,8 @@ OPEN_ATTEMPTS_SQL = """
 INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
 SELECT t.id, t.cluster, t.created_at
 FROM json_to_recordset(%s::json) AS t(id uuid, cluster bigint, created_at timestamptz)
-WHERE EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = t.cluster AND c.status = %s FOR SHARE)
+WHERE EXISTS (SELECT 1 FROM cluster_job c
+              WHERE c.id = t.cluster AND c.status = ANY(%s) FOR SHARE)
 ORDER BY t.cluster
 ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING cluster_job_id
@@ -171,11 +179,10 @@ ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING job_id
 """
 
-# The Assigned transition of the builds of a batch: which moved (advance_builds, by id).
-ASSIGN_BUILDS_SQL = """
-UPDATE derivation_build SET status = %s
-WHERE id IN (SELECT json_array_elements_text(%s::json)::uuid) AND status = %s RETURNING id
-"""
+# The Assigned transition of the builds of a batch (their guarded write): which moved.
+ASSIGN_BUILDS_SQL = BUILD_MACHINE.update(
+    "assign", "id IN (SELECT json_array_elements_text(%(builds)s::json)::uuid)"
+)
 
 
 def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
@@ -286,7 +293,7 @@ def _claim_batch(claims: list[ClusterClaim]) -> set[int]:
                                 for c in ordered
                             ]
                         ),
-                        ClusterStatus.QUEUED.value,
+                        sorted(CLUSTER_CLAIMABLE),
                     ],
                 )
                 member_rows = cursor()
@@ -301,11 +308,10 @@ def _claim_batch(claims: list[ClusterClaim]) -> set[int]:
                 build_rows = cursor()
                 build_rows.execute(
                     ASSIGN_BUILDS_SQL,
-                    [
-                        BuildStatus.BUILDING.value,
-                        json.dumps(list(map(str, builds))),
-                        BuildStatus.QUEUED.value,
-                    ],
+                    {
+                        "builds": json.dumps(list(map(str, builds))),
+                        **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
+                    },
                 )
             live = set(seat_rows.fetchall()) if seats else set()
             opened = {row[0] for row in attempt_rows.fetchall()}
@@ -338,11 +344,14 @@ def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
     cursor().execute("DELETE FROM cluster_attempt WHERE id = ANY(%s)", [attempt_ids])
     back = [job for job, c in builds.items() if c in cluster_ids and job in moved]
     if back:
-        # Guarded like a transition: only a build this claim moved to Building goes back.
+        # The builds' guarded write: only a build this claim moved to Building goes back.
         cursor().execute(
-            "UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[]) AND status = %s",
-            [BuildStatus.QUEUED.value, back, BuildStatus.BUILDING.value],
+            UNDO_BUILDS_SQL,
+            {"ids": back, **BUILD_MACHINE.bind("undo", BuildStatus.QUEUED, {BuildStatus.BUILDING})},
         )
+
+
+UNDO_BUILDS_SQL = BUILD_MACHINE.update("undo", "id = ANY(%(ids)s::uuid[])")
 
 
 # A claim's seats, locked in (worker, kind) order and then deleted: two claims whose seats
@@ -370,56 +379,59 @@ def _take_idle_seats(claim: ClusterClaim) -> bool:
         return cursor.rowcount == len(claim.idle_seats)
 
 
-# The spec's Close, one statement: the attempt closes only while open (and, for a failed
-# prepare, unstarted), and only then are its open member rows abandoned and, when asked, its
-# cluster set, in the lock order above (the attempt, its rows, its cluster: the sub-statements
-# of a WITH run in no set order, so the cluster's reads the count of the abandoned rows). One
-# statement, so that settling a verdict, inside its caller's transaction, uses it as it is.
-CLOSE_ATTEMPT_SQL = """
-WITH closed AS (
-    UPDATE cluster_attempt SET finished_at = %(now)s, outcome = %(outcome)s
-    WHERE id = %(attempt)s AND finished_at IS NULL
-      AND (started_at IS NULL OR NOT %(unstarted)s)
-    RETURNING id, cluster_job_id
-), abandoned AS (
-    UPDATE dispatched_job SET finished_at = %(now)s, outcome = %(abandoned)s
-    WHERE cluster_attempt_id = (SELECT id FROM closed) AND finished_at IS NULL
-    RETURNING 1
-), cluster AS (
-    UPDATE cluster_job SET status = %(status)s, updated_at = %(now)s
-    WHERE id = (SELECT cluster_job_id FROM closed) AND %(status)s::text IS NOT NULL
-      AND (SELECT count(*) FROM abandoned) >= 0
-)
-SELECT cluster_job_id FROM closed
-"""
-SET_CLUSTER_SQL = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
+def _close_sql(moves_cluster: bool) -> str:
+    """The spec's Close, one statement of three guarded writes: the attempt closes with its
+    outcome only from a state its machine allows (PrepareFailed only before the start), and
+    only then are its open member rows abandoned and, when asked, its cluster moved, in the
+    lock order above (the attempt, its rows, its cluster: the sub-statements of a WITH run in
+    no set order, so the cluster's reads the count of the abandoned rows). Asked to move the
+    cluster, the attempt closes only if its cluster may make that move."""
+    movable = (
+        " AND EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = cluster_attempt.cluster_job_id"
+        f" AND {CLUSTER_MACHINE.guard('c', 'cluster_from')})"
+    )
+    closed = ATTEMPT_MACHINE.update(
+        "close",
+        "id = %(attempt)s" + (movable if moves_cluster else ""),
+        returning="id, cluster_job_id",
+    )
+    abandoned = DISPATCHED_MACHINE.update(
+        "abandon", "cluster_attempt_id = (SELECT id FROM closed)", returning="1"
+    )
+    cluster = CLUSTER_MACHINE.update(
+        "cluster",
+        "id = (SELECT cluster_job_id FROM closed) AND (SELECT count(*) FROM abandoned) >= 0",
+    )
+    moved = f", cluster AS ({cluster})" if moves_cluster else ""
+    return (
+        f"WITH closed AS ({closed}), abandoned AS ({abandoned}){moved}\n"
+        "SELECT cluster_job_id FROM closed"
+    )
+
+
+CLOSE_ATTEMPT_SQL = {moves: _close_sql(moves) for moves in (False, True)}
 
 
 def close_cluster_attempt(
-    attempt_id,
-    outcome: str,
-    now: datetime | None = None,
-    *,
-    unstarted: bool = False,
-    cluster_status: str | None = None,
+    attempt_id, outcome: str, now: datetime | None = None, *, cluster_status: str | None = None
 ) -> int | None:
     """Close an open attempt with its outcome, abandoning every open member row with it, and
-    set its cluster to `cluster_status` if given; `unstarted` closes it only before its start.
+    move its cluster to `cluster_status` if given.
 
     Runs in the caller's transaction (alone, it is one statement, so still all or nothing).
-    Returns the cluster's id, or None (falsy) when the attempt was not open: a second close,
-    such as a prepare timeout racing a member's failure, touches nothing.
+    Returns the cluster's id, or None (falsy) when the attempt could not close: a second
+    close, such as a prepare timeout racing a member's failure, touches nothing.
     """
+    now = now or timezone.now()
     params = {
         "attempt": attempt_id,
-        "outcome": outcome,
-        "now": now or timezone.now(),
-        "unstarted": unstarted,
-        "abandoned": DispatchedOutcome.ABANDONED.value,
-        "status": cluster_status,
+        **ATTEMPT_MACHINE.bind("close", outcome, at=now),
+        **DISPATCHED_MACHINE.bind("abandon", DispatchedOutcome.ABANDONED, at=now),
     }
+    if cluster_status is not None:
+        params.update(CLUSTER_MACHINE.bind("cluster", cluster_status, at=now))
     with connection.cursor() as cursor:
-        cursor.execute(CLOSE_ATTEMPT_SQL, params)
+        cursor.execute(CLOSE_ATTEMPT_SQL[cluster_status is not None], params)
         row = cursor.fetchone()
     return None if row is None else row[0]
 
@@ -450,11 +462,6 @@ def release_members(attempt_id) -> None:
     advance_evaluations(evaluations, EvaluationStatus.QUEUED, RELEASED_FROM[JobKind.EVAL])
 
 
-def set_cluster_status(cluster_id, status: str, now: datetime) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(SET_CLUSTER_SQL, [status, now, cluster_id])
-
-
 def fail_prepare_attempt(attempt_id) -> bool:
     """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
     failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
@@ -465,7 +472,7 @@ def fail_prepare_attempt(attempt_id) -> bool:
     finished_at. False if the attempt had started or was closed already: nothing changes."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED, unstarted=True):
+        if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED):
             release_members(attempt_id)
             return True
     return False

@@ -20,10 +20,15 @@ from django.utils import timezone
 from clusters.claim import bound_lock_waits
 from clusters.coordinator import expire_overdue_prepares
 from clusters.models import ClusterAttempt, ClusterJob, ClusterStatus
-from clusters.settlement import Member, member_report, member_statuses, resolve_attempt, settle
+from clusters.settlement import MEMBER_STATUSES, Member, member_report, resolve_attempt, settle
 from clusters.verdict import LOST, Verdict, budget_left, decide
 from gradient.errors import NotAllowed
-from gradient.jobs.models import BUILD_TERMINAL, EVALUATION_TERMINAL, DispatchedJob
+from gradient.jobs.models import (
+    BUILD_TERMINAL,
+    EVALUATION_TERMINAL,
+    DispatchedJob,
+    DispatchedOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +87,10 @@ def _report_silent_members(attempt_id, silent) -> bool:
     decided = False
     for pk, worker_id, job_id in lost:
         with contextlib.suppress(NotAllowed):
-            decided = member_report(worker_id, job_id, pk, "Failed", LOST) is not None or decided
+            decided = (
+                member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, LOST) is not None
+                or decided
+            )
     return decided
 
 
@@ -125,7 +133,11 @@ def settle_running_without_attempt() -> list:
         with transaction.atomic(durable=True):
             bound_lock_waits()
             with connection.cursor() as cursor:
-                params = member_statuses(cluster=cluster_id, running=ClusterStatus.RUNNING.value)
+                params = {
+                    "cluster": cluster_id,
+                    "running": ClusterStatus.RUNNING,
+                    **MEMBER_STATUSES,
+                }
                 cursor.execute(STRANDED_MEMBERS_SQL, params)
                 rows = cursor.fetchall()
             if not rows:
@@ -135,8 +147,8 @@ def settle_running_without_attempt() -> list:
             states = [m.state for m in members]
             # Without members (deleted with their jobs) nothing can start again.
             verdict = decide(states, budget_left=budget_left(attempts, budget)) or Verdict.FAIL
-            settle(None, cluster_id, verdict, members)
-            settled.append(cluster_id)
+            if settle(None, cluster_id, verdict, members) is not None:
+                settled.append(cluster_id)
     return settled
 
 
@@ -160,5 +172,5 @@ def report_lost_members(worker_id: int) -> int:
     ).values_list("pk", "job_id")
     for pk, job_id in rows:
         with contextlib.suppress(NotAllowed):  # decided meanwhile
-            member_report(worker_id, job_id, pk, "Failed", LOST)
+            member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, LOST)
     return len(rows)

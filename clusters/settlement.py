@@ -3,8 +3,9 @@ every member settled.
 
 A member's JobCompleted or JobFailed (or its loss with its worker) releases its row without
 moving its job. The first deciding report resolves the attempt; the verdict then settles every
-member, in the same transaction: the attempt closed, the cluster set, each member's job moved.
-Reports arriving after the resolution find their rows settled and change nothing.
+member, in the same transaction: the attempt closed, the cluster moved, each member's job
+moved, through their state machines' guarded writes. Reports arriving after the resolution
+find their rows settled and change nothing.
 """
 
 import logging
@@ -17,14 +18,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.claim import (
-    RELEASED_FROM,
-    bound_lock_waits,
-    close_cluster_attempt,
-    set_cluster_status,
-)
+from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
 from clusters.coordinator import abort_prepare, notify_abort
-from clusters.models import AttemptOutcome, ClusterStatus
+from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
 from clusters.verdict import (
     LOST,
     MemberState,
@@ -36,17 +32,21 @@ from clusters.verdict import (
 )
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
+    BUILD_MACHINE,
     BUILD_TERMINAL,
+    DISPATCHED_MACHINE,
+    EVALUATION_MACHINE,
     EVALUATION_TERMINAL,
     BuildStatus,
     DispatchedOutcome,
     EvaluationStatus,
+    JobKind,
 )
-from gradient.jobs.transitions import BUILD_SOURCES, EVALUATION_SOURCES
+from gradient.jobs.transitions import move
 from gradient.logs import ids
+from gradient.postgresql.pipeline import send
 
 log = logging.getLogger(__name__)
-
 
 ATTEMPT_OUTCOME = {
     Verdict.COMPLETE: AttemptOutcome.SUCCEEDED,
@@ -98,32 +98,29 @@ SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMP
 """
 # Reports of one attempt queue on its row (resolve_attempt locks it first too).
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
-# The row finishes with the report if it is open, and a Completed only once the attempt has
-# started; the row comes back when it did.
-FINISH_SQL = """
-UPDATE dispatched_job d SET finished_at = %(now)s, outcome = %(outcome)s, failure_kind = %(kind)s
-FROM cluster_attempt a
-WHERE d.id = %(id)s AND d.worker_id = %(worker)s AND d.job_id = %(job)s AND d.finished_at IS NULL
-  AND a.id = d.cluster_attempt_id AND (a.started_at IS NOT NULL OR %(outcome)s <> 'Completed')
-RETURNING d.id
-"""
+# The row finishes with the report if it is open (its guarded write), and a Completed only
+# once the attempt has started; the row comes back when it did.
+FINISH_SQL = DISPATCHED_MACHINE.update(
+    "finish",
+    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s"
+    " AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = dispatched_job.cluster_attempt_id"
+    " AND (a.started_at IS NOT NULL OR %(finish_to)s <> %(completed)s))",
+    also=", failure_kind = %(kind)s",
+)
 # The verdict's input, the report included; no row for an assignment that is no member's.
 REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
 
 # Settling, in the lock order of clusters.claim (the attempt, locked already, then its rows,
-# its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, set the
-# cluster: one statement), then in one round trip (a pipeline) each member's guarded
-# transition (advance_build, advance_evaluation): per job, a target and the states it may be
-# reached from.
-MOVE_JOBS_SQL = """
-UPDATE {table} j SET status = t.status
-FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS t(id, status, sources)
-WHERE j.id = t.id AND j.status = ANY(string_to_array(t.sources, ','))
-"""
-MOVE_SQL = {
-    "build": MOVE_JOBS_SQL.format(table="derivation_build"),
-    "eval": MOVE_JOBS_SQL.format(table="evaluation"),
-}
+# its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
+# cluster: one statement), then in one round trip (a pipeline) every member job's guarded
+# write, by kind, each job to its own target.
+JOB_MACHINES = {JobKind.BUILD: BUILD_MACHINE, JobKind.EVAL: EVALUATION_MACHINE}
+MOVE_SQL = {kind: machine.update_each("jobs") for kind, machine in JOB_MACHINES.items()}
+
+
+# A member row's outcomes the verdict reads; Abandoned (settled, or its prepare failed) and
+# open rows report nothing.
+REPORTED = frozenset({DispatchedOutcome.COMPLETED, DispatchedOutcome.FAILED})
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,7 @@ class Member:
             evaluation_id,
             build_id,
             timezone.now(),
-            "Failed",
+            DispatchedOutcome.FAILED,
             LOST,
             primary,
             dead,
@@ -161,7 +158,7 @@ class Member:
 
     @property
     def state(self) -> MemberState:
-        outcome = self.outcome if self.outcome in ("Completed", "Failed") else None
+        outcome = self.outcome if self.outcome in REPORTED else None
         return MemberState(
             self.job_id, self.primary, outcome, self.failure_kind, self.dead, self.aborted
         )
@@ -185,21 +182,11 @@ class Attempt:
         return cls(attempt_id, cluster_id, started, closed, budget_left(attempts, budget), members)
 
 
-def _send(sql: str, params):
-    """Execute on a cursor of its own: in a pipeline, its result is read after the sync."""
-    cursor = connection.cursor()
-    cursor.execute(sql, params)
-    return cursor
-
-
 # The job statuses the members' SQL reads as dead (final) and as aborted.
-DEAD_STATUSES = sorted(EVALUATION_TERMINAL | BUILD_TERMINAL)
-ABORTED_STATUSES = sorted({EvaluationStatus.ABORTED, BuildStatus.ABORTED})
-
-
-def member_statuses(**params) -> dict:
-    """`params` with the statuses the members' SQL reads."""
-    return {"dead": DEAD_STATUSES, "aborted": ABORTED_STATUSES, **params}
+MEMBER_STATUSES = {
+    "dead": sorted(EVALUATION_TERMINAL | BUILD_TERMINAL),
+    "aborted": sorted({EvaluationStatus.ABORTED, BuildStatus.ABORTED}),
+}
 
 
 # Where a settlement sends a member's job: (build status, evaluation status).
@@ -212,43 +199,45 @@ SETTLED_STATUS = {
 
 
 def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]]:
-    """(job, target, its sources) per member job, by kind, as verdict.member_moves says."""
+    """(job, target, expected sources) per member job, by kind, as verdict.member_moves says."""
     settlements = member_moves(verdict, [m.state for m in members])
-    moves: dict[str, list[tuple]] = {"build": [], "eval": []}
+    moves: dict[str, list[tuple]] = {kind: [] for kind in JOB_MACHINES}
     for m in members:
         settlement = settlements[m.job_id]
         to_build, to_eval = SETTLED_STATUS[settlement]
         if m.derivation_build_id:
-            kind, job, to, sources = "build", m.derivation_build_id, to_build, BUILD_SOURCES
+            kind, job, to = JobKind.BUILD, m.derivation_build_id, to_build
         elif m.evaluation_id:
-            kind, job, to, sources = "eval", m.evaluation_id, to_eval, EVALUATION_SOURCES
+            kind, job, to = JobKind.EVAL, m.evaluation_id, to_eval
         else:
             continue  # its job is gone
         # Requeued: only from where the attempt held it (never a job that ended meanwhile).
-        allowed = (
-            sources[to] & RELEASED_FROM[kind] if settlement == Settlement.REQUEUED else sources[to]
-        )
-        moves[kind].append((job, to, ",".join(sorted(allowed))))
+        expect = RELEASED_FROM[kind] if settlement == Settlement.REQUEUED else None
+        moves[kind].append((job, to, expect))
     return moves
 
 
-def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int]:
+def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int] | None:
     """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
-    attempt (abandoning open member rows), set the cluster, settle every member's job. Returns
+    attempt (abandoning open member rows), move the cluster, settle every member's job. Returns
     the workers of the survivors, to be told AbortCluster after commit. Without an attempt
-    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs."""
+    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs.
+    None, having settled nothing, when the cluster's machine refuses the verdict's move."""
     survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
     if attempt_id is None:
-        set_cluster_status(cluster_id, CLUSTER_STATUS[verdict], now)
+        moved = move(CLUSTER_MACHINE, [cluster_id], CLUSTER_STATUS[verdict], at=now)
     else:
-        close_cluster_attempt(
+        moved = close_cluster_attempt(
             attempt_id, ATTEMPT_OUTCOME[verdict], now, cluster_status=CLUSTER_STATUS[verdict]
         )
+    if not moved:
+        log.error("cluster %s cannot be moved to %s", cluster_id, CLUSTER_STATUS[verdict])
+        return None
     with connection.wrap_database_errors, connection.connection.pipeline():
         for kind, moves in _job_moves(verdict, members).items():
             if moves:
-                _send(MOVE_SQL[kind], [list(column) for column in zip(*moves, strict=True)])
+                send(MOVE_SQL[kind], JOB_MACHINES[kind].bind_each("jobs", moves))
     log.info(
         "cluster %s decided %s (attempt %s)",
         cluster_id,
@@ -267,17 +256,17 @@ def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Att
         "id": assignment_id,
         "worker": worker_id,
         "job": job_id,
-        "now": timezone.now(),
-        "outcome": outcome,
         "kind": kind,
+        "completed": DispatchedOutcome.COMPLETED,
         "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **DISPATCHED_MACHINE.bind("finish", outcome, at=timezone.now()),
+        **MEMBER_STATUSES,
     }
-    params = member_statuses(**params)
     with connection.wrap_database_errors, connection.connection.pipeline():
-        _send(BOUND_LOCK_WAITS_SQL, params)
-        _send(LOCK_ATTEMPT_SQL, params)
-        finish = _send(FINISH_SQL, params)
-        members = _send(REPORTED_MEMBERS_SQL, params)
+        send(BOUND_LOCK_WAITS_SQL, params)
+        send(LOCK_ATTEMPT_SQL, params)
+        finish = send(FINISH_SQL, params)
+        members = send(REPORTED_MEMBERS_SQL, params)
     rows = members.fetchall()
     if not rows:
         return None
@@ -300,7 +289,8 @@ def _resolve(attempt: Attempt, *, aborted: bool = False) -> tuple[Verdict | None
     verdict = decide(states, budget_left=attempt.budget_left, aborted=aborted)
     if verdict is None:
         return None, []
-    return verdict, settle(attempt.id, attempt.cluster_id, verdict, attempt.members)
+    survivors = settle(attempt.id, attempt.cluster_id, verdict, attempt.members)
+    return (None, []) if survivors is None else (verdict, survivors)
 
 
 def member_report(
@@ -356,7 +346,7 @@ def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdic
             )
             if cursor.fetchone() is None:
                 return None
-            cursor.execute(ATTEMPT_MEMBERS_SQL, member_statuses(attempt=attempt_id))
+            cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, **MEMBER_STATUSES})
             attempt = Attempt.from_rows(cursor.fetchall())
         verdict, survivors = _resolve(attempt, aborted=aborted)
     if verdict is not None:

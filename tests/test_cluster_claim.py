@@ -155,16 +155,16 @@ def test_a_member_that_cannot_start_loses_the_claim():
 def test_closing_an_attempt_abandons_its_open_members_and_a_second_close_touches_nothing():
     cluster = make_cluster()
     claim = claimed(cluster)
-    assert close_cluster_attempt(claim.attempt_id, AttemptOutcome.FAILED) == cluster.pk
+    assert close_cluster_attempt(claim.attempt_id, AttemptOutcome.ABORTED) == cluster.pk
     rows = DispatchedJob.objects.filter(cluster_attempt_id=claim.attempt_id)
     assert {r.outcome for r in rows} == {"Abandoned"}
     finished = {r.pk: r.finished_at for r in rows}
     again = close_cluster_attempt(
-        claim.attempt_id, AttemptOutcome.ABORTED, cluster_status=ClusterStatus.ABORTED
+        claim.attempt_id, AttemptOutcome.PREPARE_FAILED, cluster_status=ClusterStatus.ABORTED
     )
     assert again is None
     attempt = ClusterAttempt.objects.get()
-    assert attempt.outcome == AttemptOutcome.FAILED
+    assert attempt.outcome == AttemptOutcome.ABORTED
     assert {r.pk: r.finished_at for r in rows.all()} == finished
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.QUEUED
@@ -175,7 +175,7 @@ def test_a_close_sets_the_cluster_only_when_asked_and_an_unstarted_close_spares_
     cluster = make_cluster()
     claim = claimed(cluster)
     assert accept_every_member(claim.attempt_id) == [False, True]
-    assert close_cluster_attempt(claim.attempt_id, "PrepareFailed", unstarted=True) is None
+    assert close_cluster_attempt(claim.attempt_id, "PrepareFailed") is None  # started
     assert ClusterAttempt.objects.get().finished_at is None
     assert open_rows(cluster).count() == 2
     closed = close_cluster_attempt(
