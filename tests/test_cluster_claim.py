@@ -639,6 +639,51 @@ def test_a_single_assignment_racing_a_batch_costs_only_its_own_cluster():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_member_claimed_by_a_rival_meanwhile_rolls_the_batch_back_and_each_goes_alone(caplog):
+    """A rival's claim of a member, not committed yet when the batch claims it, commits while
+    the batch waits on its row: that member's claim inserts nothing, so the batch rolls back
+    (there is nothing to undo) and each claim goes again alone: only the contested cluster
+    loses."""
+    since = timezone.now() - timedelta(seconds=25)
+    clusters = [make_cluster() for _ in range(3)]
+    claims = [seated_claim_for(c, WorkerFactory.create_batch(2), since) for c in clusters]
+    contested = clusters[1].members.get(role="client")
+    rival = frozen_connection()
+    try:
+        rival.execute(
+            "INSERT INTO dispatched_job (id, kind, job_id, derivation_build_id, worker_id,"
+            " project_id, steps, dispatched_at) VALUES (gen_random_uuid(), 'build', %s, %s, %s,"
+            " %s, '{}', now())",
+            [
+                contested.job_key,
+                contested.derivation_build_id,
+                WorkerFactory().pk,
+                clusters[1].project_id,
+            ],
+        )
+
+        def commit_once_waited_on():
+            try:
+                return wait_for_lock_waits(1)
+            finally:
+                rival.commit()
+
+        won, waited = race(lambda: claim_clusters(claims), commit_once_waited_on)
+    finally:
+        rival.close()
+    assert waited
+    assert won == [True, False, True]
+    for cluster in clusters:
+        assert_whole_or_nothing(cluster)
+    builds = [c.members.get(role="client").derivation_build for c in clusters]
+    for build in builds:
+        build.refresh_from_db()
+    assert [b.status for b in builds] == [BuildStatus.BUILDING, BuildStatus.QUEUED, "Building"]
+    assert_claims_consistent(claims, won)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_frozen_rival_in_a_batch_costs_only_its_own_cluster(settings):
     settings.GRADIENT = {**settings.GRADIENT, "CLAIM_LOCK_TIMEOUT_MS": 300}
     clusters = [make_cluster() for _ in range(3)]

@@ -5,12 +5,10 @@ over every (source, target) pair against tables written apart from the code."""
 import re
 from pathlib import Path
 
-import psycopg
 import pytest
-from django.db import connection
 from django.utils import timezone
 
-from clusters.claim import ClusterClaim, _undo, close_cluster_attempt
+from clusters.claim import close_cluster_attempt
 from clusters.models import (
     ATTEMPT_MACHINE,
     CLUSTER_MACHINE,
@@ -400,27 +398,3 @@ def test_no_sql_outside_the_state_machines_spells_a_status():
 def test_the_literal_finder_can_fail():
     assert SQL_LITERAL.search("WHERE c.status = 'Queued'")
     assert not SQL_LITERAL.search('if job.status != "Queued":')
-
-
-# The batch claim's undo (clusters.claim._undo) writes a status too: only from Building.
-
-
-@pytest.mark.django_db
-def test_a_lost_batch_claim_sends_back_to_queued_only_builds_still_building():
-    cluster = ClusterFactory()
-    building = BuildFactory(status=BuildStatus.BUILDING)
-    finished = BuildFactory(status=BuildStatus.COMPLETED)
-    builds = {building.pk: cluster.pk, finished.pk: cluster.pk}
-    connection.ensure_connection()
-
-    _undo(
-        lambda: psycopg.Cursor(connection.connection),
-        [ClusterClaim(cluster_id=cluster.pk, members=[])],
-        builds,
-        moved=set(builds),
-    )
-
-    assert dict(DerivationBuild.objects.values_list("pk", "status")) == {
-        building.pk: BuildStatus.QUEUED,
-        finished.pk: BuildStatus.COMPLETED,
-    }
