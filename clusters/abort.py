@@ -1,6 +1,6 @@
 """Aborting a cluster job as an evaluation abort would (the spec's Recovery, the Abort verdict).
 
-- An open attempt is decided Abort through recovery.abort_attempt, the verdict path a member's
+- An open attempt is decided Abort through settlement.abort_attempt, the verdict path a member's
   evaluation abort takes: the attempt ends Aborted, the cluster Aborted, reported members
   settle with their own outcome and survivors end Aborted and are told AbortCluster. A started
   attempt's survivors also get AbortJob, as an evaluation abort reaches a running job; their
@@ -21,17 +21,18 @@ import logging
 from django.db import OperationalError, transaction
 from django.utils import timezone
 
-from clusters.claim import bound_lock_waits, set_cluster_status
+from clusters.claim import bound_lock_waits
 from clusters.models import (
+    CLUSTER_MACHINE,
     CLUSTER_TERMINAL,
     ClusterAttempt,
     ClusterJob,
     ClusterMember,
     ClusterStatus,
 )
-from clusters.recovery import abort_attempt
+from clusters.settlement import abort_attempt
 from gradient.jobs.models import BuildStatus, DispatchedJob, DispatchedOutcome, EvaluationStatus
-from gradient.jobs.transitions import advance_builds, advance_evaluations
+from gradient.jobs.transitions import advance_builds, advance_evaluations, move
 from gradient.logs import ids
 from workers.groups import send_frames
 from workers.protocol import AbortJob
@@ -124,7 +125,8 @@ def _abort_waiting(cluster_id) -> bool:
             cluster_job_id=cluster_id, finished_at__isnull=True
         ).exists():
             return False
-        set_cluster_status(cluster_id, ClusterStatus.ABORTED, timezone.now())
+        if not move(CLUSTER_MACHINE, [cluster_id], ClusterStatus.ABORTED, at=timezone.now()):
+            return False
         members = ClusterMember.objects.filter(cluster_job_id=cluster_id).values_list(
             "evaluation_id", "derivation_build_id"
         )

@@ -1,37 +1,50 @@
 """The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
-(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.recovery).
+(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
 
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
 first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
 takes its seats first, in (worker, kind) order (claims of different clusters share seats,
 never member jobs), then locks its cluster, but only to insert a new attempt, which conflicts
 with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
-job-key order. A batch of claims (claim_clusters) takes each step for all its clusters at
-once, in the same order: the seats by (worker, kind), the clusters by id, the members by job
-key, then the builds.
+job-key order. A batch of claims takes each step for all its clusters at once, in the same
+order: every seat by (worker, kind), the clusters by id, the members by job key, the builds.
 """
 
 import json
 import logging
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import psycopg
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
-from clusters.models import AttemptOutcome, ClusterStatus
-from gradient.jobs.claim import Assignment, claim_assignments
+from clusters.models import (
+    ATTEMPT_MACHINE,
+    CLUSTER_CLAIMABLE,
+    CLUSTER_MACHINE,
+    AttemptOutcome,
+)
+from gradient.jobs.claim import (
+    ATTEMPT_OPENED,
+    CLAIM_ROWS,
+    CLAIM_SQL,
+    START_CONDITION,
+    Assignment,
+    claim_params,
+)
 from gradient.jobs.models import (
-    EVALUATION_STARTABLE,
+    BUILD_MACHINE,
+    DISPATCHED_MACHINE,
     BuildStatus,
     DispatchedOutcome,
     EvaluationStatus,
     JobKind,
 )
 from gradient.jobs.transitions import advance_builds, advance_evaluations
+from gradient.postgresql.pipeline import send
 
 log = logging.getLogger(__name__)
 
@@ -50,146 +63,159 @@ class ClusterClaim:
 
 
 class _Lost(Exception):
-    """Raised inside the claim transaction to roll every statement back."""
+    """An attempt was opened but a member's claim inserted nothing (its job open elsewhere,
+    or changed since the filter read it): the whole transaction rolls back."""
 
 
 def bound_lock_waits() -> None:
     # A frozen rival holding a row lock must cost this claimer a bounded wait, not a hang.
-    ms = int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])
     with connection.cursor() as cursor:
-        cursor.execute(f"SET LOCAL lock_timeout = {ms}")
+        cursor.execute(_lock_timeout_sql())
 
 
-OPEN_ATTEMPT_SQL = """
+def _lock_timeout_sql() -> str:
+    return f"SET LOCAL lock_timeout = {int(settings.GRADIENT['CLAIM_LOCK_TIMEOUT_MS'])}"
+
+
+# The claim's steps, one statement each, for one cluster or a batch of them alike, sent
+# together (one round trip, then the commit). The attempts step writes only the attempts of
+# claims that can win: every seat live (and locked here), the cluster Queued without an open
+# attempt (idx-cluster_attempt-open), every member's job able to start; the later steps
+# write only under an attempt it opened, so a claim that loses there writes nothing. Every
+# seat is locked before any cluster: their count is a one-time filter, evaluated before the
+# first claim's row is read.
+OPEN_ATTEMPTS_SQL = f"""
+WITH seats AS MATERIALIZED (
+    SELECT t.cluster FROM idle_slot s
+    JOIN json_to_recordset(%(seats)s::json)
+         AS t(worker bigint, kind text, since timestamptz, cluster bigint, attempt uuid)
+      ON s.worker_id = t.worker AND s.kind = t.kind
+    WHERE s.recorded_at >= t.since
+    ORDER BY s.worker_id, s.kind
+    FOR UPDATE OF s
+), live AS (
+    SELECT cluster, count(*) AS n FROM seats GROUP BY cluster
+), unstartable AS MATERIALIZED (
+    SELECT t.attempt_id FROM {CLAIM_ROWS}
+    WHERE NOT ({START_CONDITION})
+)
 INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
-SELECT %s, %s, %s
-WHERE EXISTS (SELECT 1 FROM cluster_job WHERE id = %s AND status = %s FOR SHARE)
+SELECT c.id, c.cluster, c.created_at
+FROM json_to_recordset(%(clusters)s::json)
+     AS c(id uuid, cluster bigint, created_at timestamptz, seats int)
+LEFT JOIN live ON live.cluster = c.cluster
+WHERE (SELECT count(*) FROM seats) >= 0
+  AND coalesce(live.n, 0) = c.seats
+  AND NOT EXISTS (SELECT 1 FROM unstartable u WHERE u.attempt_id = c.id)
+  AND EXISTS (SELECT 1 FROM cluster_job j
+              WHERE j.id = c.cluster AND j.status = ANY(%(claimable)s) FOR SHARE)
 ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING id
+RETURNING cluster_job_id
 """
+# The members: the single-assignment claim statement (CLAIM_SQL), a row per member; one that
+# inserts nothing (its job is open elsewhere) rolls the transaction back. Then the spec's
+# Assigned transition of the builds claimed under the attempts opened.
+ASSIGN_BUILDS_SQL = BUILD_MACHINE.update(
+    "assign",
+    f"id IN (SELECT t.build_id FROM {CLAIM_ROWS} WHERE {ATTEMPT_OPENED})",
+)
+# The seats of the attempts opened, taken; those of a loser stay as they were.
+TAKE_SEATS_SQL = """
+DELETE FROM idle_slot s
+USING json_to_recordset(%(seats)s::json)
+      AS t(worker bigint, kind text, cluster bigint, attempt uuid)
+WHERE s.worker_id = t.worker AND s.kind = t.kind
+  AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = t.attempt OFFSET 0)
+RETURNING t.cluster
+"""
+
+
+def _claim(claims: list[ClusterClaim]) -> set[int]:
+    """Claim every cluster of `claims` (disjoint, each with members) in one transaction; the
+    clusters won. Raises _Lost (rolled back) when an opened attempt did not get all its
+    members, builds and seats, and OperationalError on a lock_timeout."""
+    claims = sorted(claims, key=lambda c: c.cluster_id)
+    for claim in claims:
+        for member in claim.members:
+            member.cluster_attempt_id = claim.attempt_id
+            member.dispatched_at = claim.now
+    members = sorted((m for c in claims for m in c.members), key=lambda m: m.gate.key)
+    seats = sorted(
+        (w, k, c.idle_since.isoformat() if c.idle_since else None, c.cluster_id, c.attempt_id.hex)
+        for c in claims
+        for w, k in c.idle_seats
+    )
+    params = {
+        "seats": json.dumps(
+            [
+                {"worker": w, "kind": k, "since": s, "cluster": c, "attempt": a}
+                for w, k, s, c, a in seats
+            ]
+        ),
+        "clusters": json.dumps(
+            [
+                {
+                    "id": c.attempt_id.hex,
+                    "cluster": c.cluster_id,
+                    "created_at": c.now.isoformat(),
+                    "seats": len(c.idle_seats),
+                }
+                for c in claims
+            ]
+        ),
+        "claimable": sorted(CLUSTER_CLAIMABLE),
+        **claim_params(members),
+        **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
+    }
+    with transaction.atomic(durable=True):
+        with connection.wrap_database_errors, connection.connection.pipeline():
+            send(_lock_timeout_sql())
+            opened = send(OPEN_ATTEMPTS_SQL, params)
+            claimed = send(CLAIM_SQL, params)
+            assigned = send(ASSIGN_BUILDS_SQL, params)
+            taken = send(TAKE_SEATS_SQL, params)
+        won = {row[0] for row in opened.fetchall()}
+        keys = {row[0] for row in claimed.fetchall()}
+        builds = {row[0] for row in assigned.fetchall()}
+        seats_taken = Counter(row[0] for row in taken.fetchall())
+        for claim in claims:
+            whole = (
+                all(m.gate.key in keys for m in claim.members)
+                and all(m.gate.job in builds for m in claim.members if m.gate.kind == JobKind.BUILD)
+                and seats_taken[claim.cluster_id] == len(claim.idle_seats)
+            )
+            if claim.cluster_id in won and not whole:
+                raise _Lost(claim.cluster_id)
+    return won
 
 
 def claim_cluster(claim: ClusterClaim) -> bool:
     """Open an attempt and claim every member in one transaction; False writes nothing.
 
-    The attempt is inserted only while the cluster is Queued, and idx-cluster_attempt-open
-    makes a second claimer insert nothing. Each member then goes through the single-assignment
-    claim; the first that inserts nothing (the job is open elsewhere, or cannot start) rolls
-    the whole attempt back. Build members get their Assigned transition in the same step.
+    The attempt is inserted only while the cluster is Queued and its seats are idle, and
+    idx-cluster_attempt-open makes a second claimer insert nothing. Each member then goes
+    through the single-assignment claim statement; one that inserts nothing (the job is open
+    elsewhere, or cannot start) rolls the whole attempt back. Build members get their Assigned
+    transition in the same step.
     """
     if not claim.members:
         return False
     try:
-        with transaction.atomic(durable=True):
-            bound_lock_waits()
-            if claim.idle_seats and not _take_idle_seats(claim):
-                raise _Lost
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    OPEN_ATTEMPT_SQL,
-                    [
-                        claim.attempt_id,
-                        claim.cluster_id,
-                        claim.now,
-                        claim.cluster_id,
-                        ClusterStatus.QUEUED.value,
-                    ],
-                )
-                if cursor.fetchone() is None:
-                    raise _Lost
-            # Canonical key order: overlapping claimers queue on the same key first. The
-            # members go in one round trip; any that inserts nothing loses the whole claim.
-            members = sorted(claim.members, key=lambda m: m.gate.key)
-            for member in members:
-                member.cluster_attempt_id = claim.attempt_id
-                member.dispatched_at = claim.now
-            if not claim_assignments(members):
-                raise _Lost
-            builds = [m.gate.job for m in claim.members if m.gate.kind == JobKind.BUILD]
-            if advance_builds(builds, BuildStatus.BUILDING, {BuildStatus.QUEUED}) != len(builds):
-                raise _Lost
+        return claim.cluster_id in _claim([claim])
     except _Lost:
         return False
     except OperationalError as exc:
         # lock_timeout: a rival holds what we need; losing is the safe answer.
         log.warning("claim of cluster %s lost on a lock wait: %s", claim.cluster_id, exc)
         return False
-    return True
-
-
-# The batch statements below take their rows as one JSON document each: psycopg dumps a
-# Python list element by element (a type lookup and a quoting check for each), which for the
-# dozen arrays of a batch of 512 members cost more than the statements themselves;
-# json.dumps is C, and PostgreSQL reads the rows with json_to_recordset.
-
-# The seats of a batch, locked while they are live: the seats of a claim that wins are deleted
-# as the batch commits, those of one that loses are left as they were.
-LOCK_IDLE_SEATS_SQL = """
-SELECT s.worker_id, s.kind FROM idle_slot s
-JOIN json_to_recordset(%s::json) AS t(worker bigint, kind text, since timestamptz)
-  ON s.worker_id = t.worker AND s.kind = t.kind
-WHERE s.recorded_at >= t.since
-ORDER BY s.worker_id, s.kind
-FOR UPDATE OF s
-"""
-
-# Every cluster's attempt, inserted only while its cluster is Queued; idx-cluster_attempt-open
-# makes a cluster with an open attempt insert nothing (OPEN_ATTEMPT_SQL, a row per cluster).
-OPEN_ATTEMPTS_SQL = """
-INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
-SELECT t.id, t.cluster, t.created_at
-FROM json_to_recordset(%s::json) AS t(id uuid, cluster bigint, created_at timestamptz)
-WHERE EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = t.cluster AND c.status = %s FOR SHARE)
-ORDER BY t.cluster
-ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING cluster_job_id
-"""
-
-# The single-assignment claim statement (gradient.jobs.claim.CLAIM_SQL) over every member of
-# a batch, a row each: its own job key, its own start condition (ClaimGate.condition: a build
-# still Queued in the substitute mode seen, an evaluation not finished), its attempt. Rows go
-# in job-key order; idx-dispatched_job-open-job makes a key open elsewhere insert nothing.
-CLAIM_MEMBERS_SQL = """
-INSERT INTO dispatched_job (
-    id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
-    dispatched_at, cluster_attempt_id, missing_nar_size
-)
-SELECT t.id, t.kind, t.job_id, t.evaluation_id, t.build_id, t.worker_id, t.project_id,
-       string_to_array(t.steps, ','), t.dispatched_at, t.attempt_id, t.size
-FROM json_to_recordset(%(rows)s::json)
-     AS t(id uuid, kind text, job_id text, evaluation_id uuid, build_id uuid, worker_id bigint,
-          project_id bigint, steps text, dispatched_at timestamptz, attempt_id uuid,
-          size bigint, substitute bool)
-WHERE CASE WHEN t.build_id IS NOT NULL
-           THEN EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = t.build_id
-                        AND b.status = %(queued)s AND b.cache_available = t.substitute)
-           ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
-                        AND e.status = ANY(%(startable)s))
-      END
-ORDER BY t.job_id
-ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING job_id
-"""
-
-# The Assigned transition of the builds of a batch: which moved (advance_builds, by id).
-ASSIGN_BUILDS_SQL = """
-UPDATE derivation_build SET status = %s
-WHERE id IN (SELECT json_array_elements_text(%s::json)::uuid) AND status = %s RETURNING id
-"""
 
 
 def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
-    """claim_cluster for each of many clusters, in two round trips for them all; whether each
-    won. Every claim still wins or loses on its own: one that loses writes nothing.
-
-    One transaction for the batch, its statements sent without waiting for each other (a
-    psycopg pipeline), one per step for every claim: lock the seats (not yet taken), open the
-    attempts, claim the members (in job-key order), the builds' Assigned transition. A claim
-    that lost any step (a seat gone or stale, its attempt or a member inserting nothing, a
-    build no longer Queued) is then undone row by row in the same transaction, and the
-    winners take their seats, before the one commit: nothing of a loser is ever visible to
-    another transaction. Should the batch fail as a whole (a lock_timeout behind a frozen
-    rival), each claim is retried alone, so that only the one in the way loses.
+    """claim_cluster for each of many clusters, in one transaction and one round trip for
+    them all (and the commit); whether each won. Every claim still wins or loses on its own:
+    one that loses writes nothing. Should the batch fail as a whole (a member open elsewhere,
+    a lock_timeout behind a frozen rival), it rolls back and each claim goes again alone, so
+    that only the one in the way loses.
     """
     if not _disjoint(claims):
         # Claims that share a cluster, a job or a seat decide against each other in order.
@@ -198,7 +224,14 @@ def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
     if not claimable:
         return [False] * len(claims)
     try:
-        won = _claim_batch(claimable)
+        won = _claim(claimable)
+    except _Lost as lost:
+        log.info(
+            "a batch of %d claims lost cluster %s after its attempt; claiming one by one",
+            len(claims),
+            lost,
+        )
+        return [claim_cluster(claim) for claim in claims]
     except OperationalError as exc:
         log.warning("a batch of %d claims failed (%s); claiming one by one", len(claims), exc)
         return [claim_cluster(claim) for claim in claims]
@@ -212,214 +245,59 @@ def _disjoint(claims: list[ClusterClaim]) -> bool:
     return all(len(set(xs)) == len(xs) for xs in (clusters, keys, seats))
 
 
-def _member_rows(members: list[tuple[ClusterClaim, Assignment]]) -> str:
-    """CLAIM_MEMBERS_SQL's rows, as JSON."""
-    rows = []
-    for claim, m in members:
-        is_build = m.gate.kind == JobKind.BUILD
-        job = str(m.gate.job)
-        rows.append(
-            {
-                "id": m.id.hex,
-                "kind": m.gate.kind,
-                "job_id": m.gate.key,
-                "evaluation_id": None if is_build else job,
-                "build_id": job if is_build else None,
-                "worker_id": m.worker_id,
-                "project_id": m.project_id,
-                "steps": ",".join(m.steps),
-                "dispatched_at": claim.now.isoformat(),
-                "attempt_id": claim.attempt_id.hex,
-                "size": m.missing_nar_size,
-                "substitute": m.gate.substitute,
-            }
-        )
-    return json.dumps(rows)
-
-
-def _claim_batch(claims: list[ClusterClaim]) -> set[int]:
-    members = sorted(
-        ((claim, m) for claim in claims for m in claim.members), key=lambda cm: cm[1].gate.key
+def _close_sql(moves_cluster: bool) -> str:
+    """The spec's Close, one statement of three guarded writes: the attempt closes with its
+    outcome only from a state its machine allows (PrepareFailed only before the start), and
+    only then are its open member rows abandoned and, when asked, its cluster moved, in the
+    lock order above (the attempt, its rows, its cluster: the sub-statements of a WITH run in
+    no set order, so the cluster's reads the count of the abandoned rows). Asked to move the
+    cluster, the attempt closes only if its cluster may make that move."""
+    movable = (
+        " AND EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = cluster_attempt.cluster_job_id"
+        f" AND {CLUSTER_MACHINE.guard('c', 'cluster_from')})"
     )
-    for claim, member in members:
-        member.cluster_attempt_id = claim.attempt_id
-        member.dispatched_at = claim.now
-    owner = {m.gate.key: claim.cluster_id for claim, m in members}
-    seats = sorted({(w, k, c.cluster_id, c.idle_since) for c in claims for w, k in c.idle_seats})
-    builds = {m.gate.job: c.cluster_id for c, m in members if m.gate.kind == JobKind.BUILD}
-    ordered = sorted(claims, key=lambda c: c.cluster_id)
-    ms = int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])
-    with transaction.atomic(durable=True):
-        pg = connection.connection  # (the atomic block opened it)
-
-        def cursor():
-            # Server-side binding: Django's own cursors quote every parameter into the text.
-            return psycopg.Cursor(pg)
-
-        with connection.wrap_database_errors:
-            with pg.pipeline():
-                cursor().execute(f"SET LOCAL lock_timeout = {ms}")
-                seat_rows = cursor()
-                if seats:
-                    seat_rows.execute(
-                        LOCK_IDLE_SEATS_SQL,
-                        [
-                            json.dumps(
-                                [
-                                    {"worker": w, "kind": k, "since": since.isoformat()}
-                                    for w, k, _, since in seats
-                                ]
-                            )
-                        ],
-                    )
-                attempt_rows = cursor()
-                attempt_rows.execute(
-                    OPEN_ATTEMPTS_SQL,
-                    [
-                        json.dumps(
-                            [
-                                {
-                                    "id": c.attempt_id.hex,
-                                    "cluster": c.cluster_id,
-                                    "created_at": c.now.isoformat(),
-                                }
-                                for c in ordered
-                            ]
-                        ),
-                        ClusterStatus.QUEUED.value,
-                    ],
-                )
-                member_rows = cursor()
-                member_rows.execute(
-                    CLAIM_MEMBERS_SQL,
-                    {
-                        "rows": _member_rows(members),
-                        "queued": BuildStatus.QUEUED.value,
-                        "startable": sorted(s.value for s in EVALUATION_STARTABLE),
-                    },
-                )
-                build_rows = cursor()
-                build_rows.execute(
-                    ASSIGN_BUILDS_SQL,
-                    [
-                        BuildStatus.BUILDING.value,
-                        json.dumps(list(map(str, builds))),
-                        BuildStatus.QUEUED.value,
-                    ],
-                )
-            live = set(seat_rows.fetchall()) if seats else set()
-            opened = {row[0] for row in attempt_rows.fetchall()}
-            claimed = {row[0] for row in member_rows.fetchall()}
-            moved = {row[0] for row in build_rows.fetchall()}
-            lost = {c for w, k, c, _ in seats if (w, k) not in live}
-            lost |= {c.cluster_id for c in claims if c.cluster_id not in opened}
-            lost |= {c for key, c in owner.items() if key not in claimed}
-            lost |= {c for job, c in builds.items() if job not in moved}
-            won = {c.cluster_id for c in claims} - lost
-            with pg.pipeline():
-                if lost:
-                    _undo(cursor, [c for c in claims if c.cluster_id in lost], builds, moved)
-                taken = [(w, k) for w, k, c, _ in seats if c in won]
-                if taken:
-                    cursor().execute(
-                        "DELETE FROM idle_slot s"
-                        " USING json_to_recordset(%s::json) AS t(worker bigint, kind text)"
-                        " WHERE s.worker_id = t.worker AND s.kind = t.kind",
-                        [json.dumps([{"worker": w, "kind": k} for w, k in taken])],
-                    )
-    return won
+    closed = ATTEMPT_MACHINE.update(
+        "close",
+        "id = %(attempt)s" + (movable if moves_cluster else ""),
+        returning="id, cluster_job_id",
+    )
+    abandoned = DISPATCHED_MACHINE.update(
+        "abandon", "cluster_attempt_id = (SELECT id FROM closed)", returning="1"
+    )
+    cluster = CLUSTER_MACHINE.update(
+        "cluster",
+        "id = (SELECT cluster_job_id FROM closed) AND (SELECT count(*) FROM abandoned) >= 0",
+    )
+    moved = f", cluster AS ({cluster})" if moves_cluster else ""
+    return (
+        f"WITH closed AS ({closed}), abandoned AS ({abandoned}){moved}\n"
+        "SELECT cluster_job_id FROM closed"
+    )
 
 
-def _undo(cursor, losers: list[ClusterClaim], builds: dict, moved: set) -> None:
-    """Remove what the losing claims of a batch wrote, inside its transaction."""
-    attempt_ids = [c.attempt_id for c in losers]
-    cluster_ids = {c.cluster_id for c in losers}
-    cursor().execute("DELETE FROM dispatched_job WHERE cluster_attempt_id = ANY(%s)", [attempt_ids])
-    cursor().execute("DELETE FROM cluster_attempt WHERE id = ANY(%s)", [attempt_ids])
-    back = [job for job, c in builds.items() if c in cluster_ids and job in moved]
-    if back:
-        # Guarded like a transition: only a build this claim moved to Building goes back.
-        cursor().execute(
-            "UPDATE derivation_build SET status = %s WHERE id = ANY(%s::uuid[]) AND status = %s",
-            [BuildStatus.QUEUED.value, back, BuildStatus.BUILDING.value],
-        )
-
-
-# A claim's seats, locked in (worker, kind) order and then deleted: two claims whose seats
-# overlap, listed in any order, queue on the first seat they share instead of each holding
-# one the other waits for. (Without the ORDER BY the lock order is the plan's, which for a
-# fleet's idle_slot is an index probe per seat in the order the claim lists them.)
-TAKE_IDLE_SEATS_SQL = """
-WITH live AS MATERIALIZED (
-    SELECT s.worker_id, s.kind FROM idle_slot s
-    JOIN unnest(%s::bigint[], %s::text[]) AS t(worker, kind)
-      ON s.worker_id = t.worker AND s.kind = t.kind
-    WHERE s.recorded_at >= %s
-    ORDER BY s.worker_id, s.kind
-    FOR UPDATE OF s
-)
-DELETE FROM idle_slot s USING live WHERE s.worker_id = live.worker_id AND s.kind = live.kind
-"""
-
-
-def _take_idle_seats(claim: ClusterClaim) -> bool:
-    workers = [w for w, _ in claim.idle_seats]
-    kinds = [k for _, k in claim.idle_seats]
-    with connection.cursor() as cursor:
-        cursor.execute(TAKE_IDLE_SEATS_SQL, [workers, kinds, claim.idle_since])
-        return cursor.rowcount == len(claim.idle_seats)
-
-
-# The spec's Close, one statement: the attempt closes only while open (and, for a failed
-# prepare, unstarted), and only then are its open member rows abandoned and, when asked, its
-# cluster set, in the lock order above (the attempt, its rows, its cluster: the sub-statements
-# of a WITH run in no set order, so the cluster's reads the count of the abandoned rows). One
-# statement, so that settling a verdict, inside its caller's transaction, uses it as it is.
-CLOSE_ATTEMPT_SQL = """
-WITH closed AS (
-    UPDATE cluster_attempt SET finished_at = %(now)s, outcome = %(outcome)s
-    WHERE id = %(attempt)s AND finished_at IS NULL
-      AND (started_at IS NULL OR NOT %(unstarted)s)
-    RETURNING id, cluster_job_id
-), abandoned AS (
-    UPDATE dispatched_job SET finished_at = %(now)s, outcome = %(abandoned)s
-    WHERE cluster_attempt_id = (SELECT id FROM closed) AND finished_at IS NULL
-    RETURNING 1
-), cluster AS (
-    UPDATE cluster_job SET status = %(status)s, updated_at = %(now)s
-    WHERE id = (SELECT cluster_job_id FROM closed) AND %(status)s::text IS NOT NULL
-      AND (SELECT count(*) FROM abandoned) >= 0
-)
-SELECT cluster_job_id FROM closed
-"""
-SET_CLUSTER_SQL = "UPDATE cluster_job SET status = %s, updated_at = %s WHERE id = %s"
+CLOSE_ATTEMPT_SQL = {moves: _close_sql(moves) for moves in (False, True)}
 
 
 def close_cluster_attempt(
-    attempt_id,
-    outcome: str,
-    now: datetime | None = None,
-    *,
-    unstarted: bool = False,
-    cluster_status: str | None = None,
+    attempt_id, outcome: str, now: datetime | None = None, *, cluster_status: str | None = None
 ) -> int | None:
     """Close an open attempt with its outcome, abandoning every open member row with it, and
-    set its cluster to `cluster_status` if given; `unstarted` closes it only before its start.
+    move its cluster to `cluster_status` if given.
 
     Runs in the caller's transaction (alone, it is one statement, so still all or nothing).
-    Returns the cluster's id, or None (falsy) when the attempt was not open: a second close,
-    such as a prepare timeout racing a member's failure, touches nothing.
+    Returns the cluster's id, or None (falsy) when the attempt could not close: a second
+    close, such as a prepare timeout racing a member's failure, touches nothing.
     """
+    now = now or timezone.now()
     params = {
         "attempt": attempt_id,
-        "outcome": outcome,
-        "now": now or timezone.now(),
-        "unstarted": unstarted,
-        "abandoned": DispatchedOutcome.ABANDONED.value,
-        "status": cluster_status,
+        **ATTEMPT_MACHINE.bind("close", outcome, at=now),
+        **DISPATCHED_MACHINE.bind("abandon", DispatchedOutcome.ABANDONED, at=now),
     }
+    if cluster_status is not None:
+        params.update(CLUSTER_MACHINE.bind("cluster", cluster_status, at=now))
     with connection.cursor() as cursor:
-        cursor.execute(CLOSE_ATTEMPT_SQL, params)
+        cursor.execute(CLOSE_ATTEMPT_SQL[cluster_status is not None], params)
         row = cursor.fetchone()
     return None if row is None else row[0]
 
@@ -450,11 +328,6 @@ def release_members(attempt_id) -> None:
     advance_evaluations(evaluations, EvaluationStatus.QUEUED, RELEASED_FROM[JobKind.EVAL])
 
 
-def set_cluster_status(cluster_id, status: str, now: datetime) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(SET_CLUSTER_SQL, [status, now, cluster_id])
-
-
 def fail_prepare_attempt(attempt_id) -> bool:
     """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
     failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
@@ -465,7 +338,7 @@ def fail_prepare_attempt(attempt_id) -> bool:
     finished_at. False if the attempt had started or was closed already: nothing changes."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
-        if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED, unstarted=True):
+        if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED):
             release_members(attempt_id)
             return True
     return False

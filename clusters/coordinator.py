@@ -1,5 +1,5 @@
 """The spec's Prepare and Start, and Signals: acceptances, rejections, held members' failures,
-StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
+the prepare timeout, StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
 
 Every decision is a transaction that re-reads the rows it decides on; messages to workers go
 out after the commit that justifies them.
@@ -7,17 +7,25 @@ out after the commit that justifies them.
 
 import logging
 import uuid
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 
 from clusters.claim import fail_prepare_attempt
-from clusters.models import ClusterAttempt, ClusterMember, ClusterStatus
+from clusters.models import (
+    ATTEMPT_MACHINE,
+    ATTEMPT_STARTED,
+    CLUSTER_MACHINE,
+    ClusterAttempt,
+    ClusterMember,
+    ClusterStatus,
+)
 from clusters.tracking import role_indexes
 from gradient import metrics
 from gradient.errors import NotAllowed
-from gradient.jobs.models import DispatchedJob, EvaluationStatus
-from gradient.jobs.transitions import EVALUATION_SOURCES
+from gradient.jobs.models import EVALUATION_MACHINE, DispatchedJob, EvaluationStatus
 from gradient.logs import ids
 from workers.groups import send_frames
 from workers.protocol import (
@@ -52,16 +60,37 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
 #   statement's snapshot): of two last acceptances at once, the second sees the first.
 # - accept: the acceptance of the open member row, kept as first given.
 # - started, running, evaluating: the spec's start_cluster_attempt, once every row is accepted
-#   and open: the open, unstarted attempt started, its cluster Running and counting it (so a
-#   failed prepare never spends the budget), the member evaluations Queued -> EvaluatingFlake
-#   (builds went Building at the claim). There is no start apart from this statement.
+#   and open, three guarded writes: the attempt Open -> Started (while its cluster may go
+#   Running), its cluster Queued -> Running and counting it (so a failed prepare never spends
+#   the budget), the member evaluations Queued -> EvaluatingFlake (builds went Building at the
+#   claim). There is no start apart from this statement.
 # - members: once started, each member's (role, index), numbered as
 #   clusters.tracking.role_indexes numbers them, for the roster.
 # A row per seat with its worker when this acceptance started the attempt, else one row.
 # Times are the database's clock as each write happens, after the locks: a time taken before
 # the statement would be older than an acceptance committed while this one waited for the
 # attempt, and the attempt would have started before that member accepted.
-ACCEPT_SQL = """
+_STARTED = ATTEMPT_MACHINE.update(
+    "start",
+    "id = (SELECT id FROM attempt) AND EXISTS (SELECT 1 FROM accept)"
+    " AND NOT EXISTS (SELECT 1 FROM seats"
+    " WHERE finished_at IS NOT NULL OR (accepted_at IS NULL AND NOT mine))"
+    " AND EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = cluster_attempt.cluster_job_id"
+    f" AND {CLUSTER_MACHINE.guard('c', 'run_from')})",
+    to=ATTEMPT_STARTED,
+    at="clock_timestamp()",
+    returning="cluster_job_id",
+)
+_RUNNING = CLUSTER_MACHINE.update(
+    "run",
+    "id = (SELECT cluster_job_id FROM started)",
+    at="clock_timestamp()",
+    also=", attempts = attempts + 1",
+)
+_EVALUATING = EVALUATION_MACHINE.update(
+    "flake", "id = ANY(ARRAY(SELECT evaluation_id FROM seats)) AND EXISTS (SELECT 1 FROM running)"
+)
+ACCEPT_SQL = f"""
 WITH held AS (
     SELECT cluster_attempt_id, set_config('lock_timeout', %(lock_timeout)s, true)
     FROM dispatched_job
@@ -80,21 +109,11 @@ WITH held AS (
     WHERE id = (SELECT id FROM seats WHERE mine AND finished_at IS NULL)
     RETURNING id
 ), started AS (
-    UPDATE cluster_attempt SET started_at = clock_timestamp()
-    WHERE id = (SELECT id FROM attempt) AND started_at IS NULL AND finished_at IS NULL
-      AND EXISTS (SELECT 1 FROM accept)
-      AND NOT EXISTS (SELECT 1 FROM seats
-                      WHERE finished_at IS NOT NULL OR (accepted_at IS NULL AND NOT mine))
-    RETURNING cluster_job_id
+{_STARTED}
 ), running AS (
-    UPDATE cluster_job SET status = %(running)s, attempts = attempts + 1,
-        updated_at = clock_timestamp()
-    WHERE id = (SELECT cluster_job_id FROM started)
-    RETURNING id
+{_RUNNING}
 ), evaluating AS (
-    UPDATE evaluation SET status = %(eval_to)s
-    WHERE id = ANY(ARRAY(SELECT evaluation_id FROM seats)) AND status = ANY(%(eval_from)s)
-      AND EXISTS (SELECT 1 FROM running)
+{_EVALUATING}
 ), members AS (
     SELECT coalesce('eval:' || evaluation_id, 'build:' || derivation_build_id) AS job_id, role,
            row_number() OVER (PARTITION BY role ORDER BY id) - 1 AS index
@@ -106,12 +125,14 @@ FROM held h
 LEFT JOIN (seats s JOIN worker w ON w.id = s.worker_id LEFT JOIN members m ON m.job_id = s.job_id)
   ON EXISTS (SELECT 1 FROM running)
 """
-
-# advance_evaluations(..., EVALUATING_FLAKE, {QUEUED}), as the start moves them.
-FLAKE_FROM = sorted(
-    s.value
-    for s in EVALUATION_SOURCES[EvaluationStatus.EVALUATING_FLAKE] & {EvaluationStatus.QUEUED}
-)
+# The start's three moves; the evaluations only from Queued, where the claim left them.
+START_PARAMS = {
+    **ATTEMPT_MACHINE.bind("start", ATTEMPT_STARTED),
+    **CLUSTER_MACHINE.bind("run", ClusterStatus.RUNNING),
+    **EVALUATION_MACHINE.bind(
+        "flake", EvaluationStatus.EVALUATING_FLAKE, expect={EvaluationStatus.QUEUED}
+    ),
+}
 
 
 def accept_assignment(worker_id: int, job_id: str) -> bool | None:
@@ -122,9 +143,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
         "worker": worker_id,
         "job": job_id,
         "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
-        "running": ClusterStatus.RUNNING.value,
-        "eval_to": EvaluationStatus.EVALUATING_FLAKE.value,
-        "eval_from": FLAKE_FROM,
+        **START_PARAMS,
     }
     with connection.cursor() as cursor:
         cursor.execute(ACCEPT_SQL, params)
@@ -140,14 +159,6 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
         return False
     _send_start(attempt_id, [row[2:] for row in rows])
     return True
-
-
-def member_accepted(worker_id: int, job_id: str) -> bool:
-    """A member's acceptance (accept_assignment); True when it started the attempt."""
-    started = accept_assignment(worker_id, job_id)
-    if started is None:
-        raise NotAllowed(f"{job_id} is not a cluster member")
-    return started
 
 
 def _send_start(attempt_id, seats) -> None:
@@ -177,6 +188,17 @@ def abort_prepare(attempt_id, reason: str) -> bool:
     notify_abort(attempt_id, reason)
     log.info("attempt %s prepare failed: %s", attempt_id, reason, extra=ids(attempt=attempt_id))
     return True
+
+
+def expire_overdue_prepares(now=None) -> list:
+    """Open, unstarted attempts past their prepare deadline (scheduler.clusterPrepareTimeoutSecs
+    after the claim) close PrepareFailed, as a reject would."""
+    now = now or timezone.now()
+    deadline = now - timedelta(seconds=settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"])
+    overdue = ClusterAttempt.objects.filter(
+        finished_at__isnull=True, started_at__isnull=True, created_at__lt=deadline
+    ).values_list("pk", flat=True)
+    return [pk for pk in overdue if abort_prepare(pk, "prepare timed out")]
 
 
 def notify_abort(attempt_id, reason: str, workers=None) -> None:

@@ -25,8 +25,8 @@ from django.utils import timezone
 from clusters import planner, reservation
 from clusters.asking import Asking
 from clusters.claim import ClusterClaim, claim_clusters
-from clusters.models import AttemptOutcome
-from clusters.recovery import expire_overdue_prepares
+from clusters.coordinator import expire_overdue_prepares
+from clusters.models import AttemptOutcome, ClusterStatus
 from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
@@ -380,8 +380,8 @@ def _client():
 # or a reservation waits for its seats to be idle. Otherwise idle workers asking for work would
 # keep a pass running back to back, and the one wake-up that completes a placement would
 # queue behind it.
-WAITING_SQL = """
-SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = 'Queued'
+WAITING_SQL = f"""
+SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEUED}'
                AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
                                WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL))
     OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)

@@ -8,6 +8,7 @@ from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Exact
 
 from gradient.jobs.models import DerivationBuild, Evaluation, JobKind, Project
+from gradient.jobs.states import StateMachine
 
 
 class ClusterStatus(models.TextChoices):
@@ -18,8 +19,27 @@ class ClusterStatus(models.TextChoices):
     ABORTED = "Aborted"
 
 
-CLUSTER_ACTIVE = frozenset({ClusterStatus.QUEUED, ClusterStatus.RUNNING})
-CLUSTER_TERMINAL = frozenset({ClusterStatus.COMPLETED, ClusterStatus.FAILED, ClusterStatus.ABORTED})
+C = ClusterStatus
+CLUSTER_ACTIVE = frozenset({C.QUEUED, C.RUNNING})
+CLUSTER_TERMINAL = frozenset({C.COMPLETED, C.FAILED, C.ABORTED})
+# A cluster is claimed (an attempt opened for it) only while Queued.
+CLUSTER_CLAIMABLE = frozenset({C.QUEUED})
+CLUSTER_MACHINE = StateMachine(
+    "cluster job",
+    "cluster_job",
+    frozenset(C),
+    {
+        # The start: its attempt's last acceptance.
+        C.RUNNING: CLUSTER_CLAIMABLE,
+        # The verdict on its started attempt: Retry, Complete, Fail.
+        C.QUEUED: frozenset({C.RUNNING}),
+        C.COMPLETED: frozenset({C.RUNNING}),
+        C.FAILED: frozenset({C.RUNNING}),
+        # An abort: waiting, preparing or running.
+        C.ABORTED: CLUSTER_ACTIVE,
+    },
+    write="status = {to}, updated_at = {at}",
+)
 
 
 class AttemptOutcome(models.TextChoices):
@@ -27,6 +47,35 @@ class AttemptOutcome(models.TextChoices):
     FAILED = "Failed"
     PREPARE_FAILED = "PrepareFailed"
     ABORTED = "Aborted"
+
+
+# An attempt is Open from its claim, Started once every member accepted (started_at), and
+# finished with its outcome (finished_at), for good.
+ATTEMPT_OPEN = "Open"
+ATTEMPT_STARTED = "Started"
+A = AttemptOutcome
+ATTEMPT_MACHINE = StateMachine(
+    "cluster attempt",
+    "cluster_attempt",
+    frozenset({ATTEMPT_OPEN, ATTEMPT_STARTED, *A}),
+    {
+        # The last member's acceptance.
+        ATTEMPT_STARTED: frozenset({ATTEMPT_OPEN}),
+        # A reject, the prepare timeout or a held member's failure: only before the start.
+        A.PREPARE_FAILED: frozenset({ATTEMPT_OPEN}),
+        # The verdict on a started attempt.
+        A.SUCCEEDED: frozenset({ATTEMPT_STARTED}),
+        A.FAILED: frozenset({ATTEMPT_STARTED}),
+        # An evaluation abort reaching it, preparing or started.
+        A.ABORTED: frozenset({ATTEMPT_OPEN, ATTEMPT_STARTED}),
+    },
+    state=(
+        "CASE WHEN {t}.finished_at IS NOT NULL THEN {t}.outcome"
+        f" WHEN {{t}}.started_at IS NOT NULL THEN '{ATTEMPT_STARTED}' ELSE '{ATTEMPT_OPEN}' END"
+    ),
+    write="finished_at = {at}, outcome = {to}",
+    writes={ATTEMPT_STARTED: "started_at = {at}"},
+)
 
 
 class ClusterJob(models.Model):
@@ -161,10 +210,6 @@ class ClusterAttempt(models.Model):
 
     def __str__(self):
         return f"attempt {self.id}"
-
-    @property
-    def is_open(self) -> bool:
-        return self.finished_at is None
 
 
 class ClusterReservation(models.Model):

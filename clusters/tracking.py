@@ -16,7 +16,8 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
-from gradient.jobs.models import JobKind
+from clusters.models import AttemptOutcome, ClusterStatus
+from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 
@@ -100,19 +101,20 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
 # Clusters that can start: Queued, no open attempt, not backing off after a failed prepare,
 # and every member's job startable (evaluation Queued, build Queued) with no open row
 # anywhere. A member that cannot start holds its whole cluster back.
-STARTABLE_SQL = """
+STARTABLE_SQL = f"""
 SELECT c.id, c.same_zone, c.created_at, c.prioritized, c.waiting_since, c.offered_at
 FROM cluster_job c
 JOIN cluster_member m ON m.cluster_job_id = c.id
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
 LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-WHERE c.status = 'Queued'
+WHERE c.status = '{ClusterStatus.QUEUED}'
   AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
                   WHERE a.cluster_job_id = c.id
                     AND (a.finished_at IS NULL
-                         OR (a.outcome = 'PrepareFailed' AND a.finished_at > %(backoff)s)))
+                         OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}'
+                             AND a.finished_at > %(backoff)s)))
 GROUP BY c.id
-HAVING bool_and(coalesce(e.status, b.status) = 'Queued')
+HAVING bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}', b.status = '{BuildStatus.QUEUED}'))
    AND NOT bool_or(EXISTS (
         SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
             CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
@@ -198,10 +200,11 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
 # it did not place (unless running), stopped for the rest (placed, claimed, or no longer able
 # to start). Rows another transaction holds are skipped, not waited for: the next pass
 # catches up. Clusters past the book's limit count as not waiting.
-NOTE_WAITING_SQL = """
+NOTE_WAITING_SQL = f"""
 WITH changed AS (
     SELECT c.id, c.id = ANY(%(waiting)s::bigint[]) AS waiting FROM cluster_job c
-    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s::bigint[]) AND c.status = 'Queued')
+    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s::bigint[])
+           AND c.status = '{ClusterStatus.QUEUED}')
        OR (c.waiting_since IS NOT NULL AND c.id <> ALL(%(waiting)s::bigint[]))
     FOR NO KEY UPDATE OF c SKIP LOCKED
 )

@@ -7,6 +7,8 @@ The first deciding report resolves the attempt; the verdict then settles every m
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gradient.jobs.models import DispatchedOutcome
+
 # Failure kinds after which the same job may succeed on another try (protocol.md's kinds).
 REQUEUEING_FAILURES = frozenset(
     {"transient", "timeout", "substitute_unavailable", "inputs_unavailable", "corrupt_eval_cache"}
@@ -62,9 +64,9 @@ def decide(members: list[MemberState], *, budget_left: bool, aborted: bool = Fal
         return Verdict.ABORT
     if any(m.dead or m.failure_kind in FINAL_FAILURES for m in members):
         return Verdict.FAIL  # a member can no longer start
-    if any(m.outcome == "Failed" for m in members):
+    if any(m.outcome == DispatchedOutcome.FAILED for m in members):
         return Verdict.RETRY if budget_left else Verdict.FAIL
-    done = [m for m in members if m.outcome == "Completed"]
+    done = [m for m in members if m.outcome == DispatchedOutcome.COMPLETED]
     if done and (len(done) == len(members) or any(m.primary for m in done)):
         return Verdict.COMPLETE
     return None
@@ -85,8 +87,8 @@ def member_moves(verdict: Verdict, members: list[MemberState]) -> dict[str, Sett
 def _settlement(verdict: Verdict, m: MemberState) -> Settlement:
     if verdict == Verdict.RETRY:
         return Settlement.REQUEUED
-    if m.outcome == "Completed":
+    if m.outcome == DispatchedOutcome.COMPLETED:
         return Settlement.COMPLETED
-    if m.outcome == "Failed" and m.failure_kind not in ABORTING_FAILURES:
+    if m.outcome == DispatchedOutcome.FAILED and m.failure_kind not in ABORTING_FAILURES:
         return Settlement.FAILED  # its own outcome, made permanent
     return Settlement.ABORTED  # a survivor, or a member that reported its own abort

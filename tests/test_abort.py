@@ -17,7 +17,7 @@ from clusters import coordinator
 from clusters.abort import AbortRefused, AlreadyFinished, UnknownCluster, abort_cluster
 from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
-from clusters.recovery import member_report
+from clusters.settlement import member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import Inbox, idle_workers
@@ -61,7 +61,7 @@ def preparing_cluster(accepted=()):
     assert run_pass().claimed == [cluster.pk]
     rows = {r.kind: r for r in DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster)}
     for kind in accepted:
-        assert not coordinator.member_accepted(rows[kind].worker_id, rows[kind].job_id)
+        assert coordinator.accept_assignment(rows[kind].worker_id, rows[kind].job_id) is False
     drain(inbox, workers)
     return cluster, rows, inbox, workers
 
@@ -69,7 +69,7 @@ def preparing_cluster(accepted=()):
 def running_cluster(retry_budget=0):
     cluster, rows, inbox, workers = preparing_cluster(accepted=["eval"])
     ClusterJob.objects.filter(pk=cluster.pk).update(retry_budget=retry_budget)
-    assert coordinator.member_accepted(rows["build"].worker_id, rows["build"].job_id)
+    assert coordinator.accept_assignment(rows["build"].worker_id, rows["build"].job_id) is True
     drain(inbox, workers)
     return cluster, rows, inbox, workers
 
@@ -217,7 +217,7 @@ def test_a_preparing_cluster_aborted_never_starts():
     drain(inbox, workers)
 
     with pytest.raises(NotAllowed):  # its hold is gone
-        coordinator.member_accepted(rows["build"].worker_id, rows["build"].job_id)
+        coordinator.accept_assignment(rows["build"].worker_id, rows["build"].job_id)
 
     assert ClusterAttempt.objects.get(cluster_job=cluster).started_at is None
     assert statuses(cluster)[0] == ClusterStatus.ABORTED
@@ -429,7 +429,7 @@ def test_an_abort_racing_the_last_acceptance_aborts_whether_or_not_the_attempt_s
         build = rows["build"]
         aborted, _started = race(
             outcome_of(lambda c=cluster: abort_cluster(c.pk)),
-            outcome_of(lambda r=build: coordinator.member_accepted(r.worker_id, r.job_id)),
+            outcome_of(lambda r=build: coordinator.accept_assignment(r.worker_id, r.job_id)),
         )
         assert aborted == "Aborted"
         assert statuses(cluster) == (

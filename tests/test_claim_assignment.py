@@ -1,10 +1,12 @@
 import pytest
 from django.utils import timezone
 
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment, parse_job_key
+from gradient.errors import NotAllowed
+from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment, job_key
 from gradient.jobs.models import BuildStatus, DispatchedJob, JobKind
 from tests.concurrency import race
 from tests.factories import BuildFactory, EvaluationFactory, WorkerFactory
+from workers import reports
 
 
 def assignment(job, worker, kind=JobKind.EVAL, substitute=False):
@@ -65,12 +67,21 @@ def test_a_build_claim_must_see_the_current_substitute_mode():
     assert DispatchedJob.objects.get().derivation_build_id == build.pk
 
 
-def test_job_keys_parse_back_to_their_kind_and_uuid():
-    evaluation = EvaluationFactory.build()
-    assert parse_job_key(f"eval:{evaluation.pk}") == ("eval", evaluation.pk)
-    for bad in ["eval", "job:1", f"build:{evaluation.pk}x", ""]:
-        with pytest.raises(ValueError):
-            parse_job_key(bad)
+@pytest.mark.django_db
+def test_a_job_is_reported_under_its_own_key_and_under_no_other():
+    """A worker names the job by the key the claim gave it; any other string, of another kind,
+    another job or no key at all, finds nothing and changes nothing."""
+    evaluation, worker = EvaluationFactory(), WorkerFactory()
+    claim = assignment(evaluation, worker)
+    assert claim_assignment(claim)
+    key = job_key(JobKind.EVAL, evaluation.pk)
+    assert key == f"eval:{evaluation.pk}" == DispatchedJob.objects.get().job_id
+    for bad in ["eval", "job:1", f"build:{evaluation.pk}", f"{key}x", ""]:
+        with pytest.raises(NotAllowed):
+            reports.job_completed(worker.pk, bad, str(claim.id))
+    assert DispatchedJob.objects.get().finished_at is None
+    reports.job_completed(worker.pk, key, str(claim.id))
+    assert DispatchedJob.objects.get().outcome == "Completed"
 
 
 TRIALS = 100

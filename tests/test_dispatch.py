@@ -9,7 +9,7 @@ from django.utils import timezone
 from clusters import coordinator
 from clusters.dispatch import claim_placements, clusters_waiting, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
-from clusters.recovery import member_report
+from clusters.settlement import member_report
 from clusters.tracking import startable_clusters
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
@@ -118,9 +118,9 @@ def prepared():
 
 def test_the_last_acceptance_starts_the_attempt_and_every_member_gets_the_roster():
     cluster, workers, inbox, rows = prepared()
-    assert not coordinator.member_accepted(rows[0].worker_id, rows[0].job_id)
+    assert coordinator.accept_assignment(rows[0].worker_id, rows[0].job_id) is False
     assert all(inbox.frames(w) == [] for w in workers)
-    assert coordinator.member_accepted(rows[1].worker_id, rows[1].job_id)
+    assert coordinator.accept_assignment(rows[1].worker_id, rows[1].job_id) is True
     cluster.refresh_from_db()
     assert (cluster.status, cluster.attempts) == (ClusterStatus.RUNNING, 1)
     for w in workers:
@@ -150,7 +150,7 @@ def test_the_roster_names_every_seat_with_its_role_index_and_worker_in_roster_or
     for w in workers:
         inbox.frames(w)  # the AssignJobs
     rows = list(DispatchedJob.objects.all())
-    assert [coordinator.member_accepted(r.worker_id, r.job_id) for r in rows] == [
+    assert [coordinator.accept_assignment(r.worker_id, r.job_id) for r in rows] == [
         False,
         False,
         False,
@@ -191,7 +191,7 @@ def test_two_last_acceptances_at_once_start_the_attempt_once_and_send_one_start_
             inbox.frames(w)
         rows = list(DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster))
         started = race(
-            *[lambda r=r: coordinator.member_accepted(r.worker_id, r.job_id) for r in rows]
+            *[lambda r=r: coordinator.accept_assignment(r.worker_id, r.job_id) for r in rows]
         )
         assert sorted(started) == [False, True]
         cluster.refresh_from_db()
@@ -204,20 +204,20 @@ def test_two_last_acceptances_at_once_start_the_attempt_once_and_send_one_start_
 def test_an_acceptance_of_a_closed_or_unknown_member_row_is_refused_and_changes_nothing():
     _cluster, _workers, _inbox, rows = prepared()
     with pytest.raises(NotAllowed):
-        coordinator.member_accepted(rows[0].worker_id, "build:unknown")
+        coordinator.accept_assignment(rows[0].worker_id, "build:unknown")
     with pytest.raises(NotAllowed):  # another worker's row
-        coordinator.member_accepted(rows[1].worker_id, rows[0].job_id)
-    coordinator.member_accepted(rows[0].worker_id, rows[0].job_id)
+        coordinator.accept_assignment(rows[1].worker_id, rows[0].job_id)
+    coordinator.accept_assignment(rows[0].worker_id, rows[0].job_id)
     coordinator.member_rejected(rows[1].worker_id, rows[1].job_id, "busy")
     with pytest.raises(NotAllowed):  # the prepare failed: its rows are closed
-        coordinator.member_accepted(rows[1].worker_id, rows[1].job_id)
+        coordinator.accept_assignment(rows[1].worker_id, rows[1].job_id)
     assert DispatchedJob.objects.get(pk=rows[1].pk).accepted_at is None
     assert ClusterAttempt.objects.get().started_at is None
 
 
 def test_a_rejecting_member_aborts_the_attempt_and_returns_the_cluster(settings):
     cluster, workers, inbox, rows = prepared()
-    coordinator.member_accepted(rows[0].worker_id, rows[0].job_id)
+    coordinator.accept_assignment(rows[0].worker_id, rows[0].job_id)
     coordinator.member_rejected(rows[1].worker_id, rows[1].job_id, "busy")
     attempt = ClusterAttempt.objects.get()
     assert attempt.outcome == AttemptOutcome.PREPARE_FAILED
@@ -259,7 +259,7 @@ def test_an_overdue_prepare_times_out_like_a_reject(settings):
 def started():
     cluster, workers, inbox, rows = prepared()
     for row in rows:
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     for w in workers:
         inbox.frames(w)
     return cluster, workers, inbox, rows
@@ -294,7 +294,7 @@ def test_signals_from_outsiders_or_outside_a_started_attempt_are_dropped():
     with pytest.raises(NotAllowed):  # not started yet
         coordinator.forward_signal(rows[0].worker_id, attempt, None, 1)
     for row in rows:
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     outsider = idle_workers(1)[0]
     with pytest.raises(NotAllowed):
         coordinator.forward_signal(outsider.pk, attempt, None, 1)
@@ -322,7 +322,7 @@ def test_after_a_failed_prepare_the_cluster_sits_elsewhere_if_it_can(settings):
     settings.GRADIENT = {**settings.GRADIENT, "CLUSTER_RETRY_BACKOFF_SECS": 0}
     _cluster, workers, _inbox, rows = prepared()
     answered, silent = rows
-    coordinator.member_accepted(answered.worker_id, answered.job_id)
+    coordinator.accept_assignment(answered.worker_id, answered.job_id)
     others = idle_workers(2)
     coordinator.abort_prepare(answered.cluster_attempt_id, "prepare timed out")
     for w in workers:  # both ask for work again
@@ -346,7 +346,7 @@ def test_every_worker_silent_since_the_last_start_is_avoided_not_only_the_last_o
         silent = [r.worker_id for r in rows if r.worker_id != answering.pk]
         for row in rows:
             if row.worker_id == answering.pk:
-                coordinator.member_accepted(row.worker_id, row.job_id)
+                coordinator.accept_assignment(row.worker_id, row.job_id)
         coordinator.abort_prepare(rows[0].cluster_attempt_id, "prepare timed out")
         return silent
 

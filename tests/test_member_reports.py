@@ -10,12 +10,8 @@ from django.utils import timezone
 from clusters import coordinator
 from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
-from clusters.recovery import (
-    abort_attempt,
-    member_report,
-    recover,
-    resolve_orphaned_attempts,
-)
+from clusters.recovery import recover, resolve_orphaned_attempts
+from clusters.settlement import abort_attempt, member_report
 from clusters.verdict import LOST
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
@@ -57,7 +53,7 @@ def start_attempt(cluster):
         )
     }
     for row in rows.values():
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     for w in workers:
         inbox.frames(w)
     return rows, inbox, workers

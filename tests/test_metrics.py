@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from clusters import coordinator
 from clusters.dispatch import PASS_LOCK, run_pass
 from clusters.models import ClusterAttempt, ClusterJob
-from clusters.recovery import member_report
 from clusters.retention import run_retention
+from clusters.settlement import member_report
 from gradient import metrics
 from gradient.asgi import application
 from gradient.jobs.models import DispatchedJob
@@ -87,7 +87,7 @@ def started_cluster():
     assert run_pass().claimed == [cluster.pk]
     rows = {r.kind: r for r in DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster)}
     for row in rows.values():
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     for w in workers:
         inbox.frames(w)
     return cluster, rows

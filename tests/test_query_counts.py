@@ -59,7 +59,7 @@ MEMBER_ACCEPTED = 1
 LAST_MEMBER_ACCEPTED = 1
 # A cluster member's JobCompleted that does not decide yet (a sibling still runs): the single
 # job's statement, which finishes nothing and tells it is a member's (1); the report's
-# transaction (clusters.recovery.member_report): SAVEPOINT, then one round trip (a pipeline)
+# transaction (clusters.settlement.member_report): SAVEPOINT, then one round trip (a pipeline)
 # of the lock_timeout, the attempt's lock, the row's finish, and every member's state with
 # the cluster's attempts and retry budget (4); RELEASE. In production BEGIN and COMMIT take
 # the SAVEPOINT's and RELEASE's places: 4 round trips in all.

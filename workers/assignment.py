@@ -13,8 +13,14 @@ from typing import NamedTuple
 from django.db import connection
 from django.utils import timezone
 
-from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
-from gradient.jobs.transitions import BUILD_SOURCES, EVALUATION_SOURCES
+from gradient.jobs.claim import Assignment, ClaimGate, claim_params, claim_sql
+from gradient.jobs.models import (
+    BUILD_MACHINE,
+    EVALUATION_MACHINE,
+    BuildStatus,
+    EvaluationStatus,
+    JobKind,
+)
 from workers.head import (
     FETCH_STEPS,
     HeadJob,
@@ -34,37 +40,29 @@ HEAD_READS = 3  # rivals took every job of the head read: read it again, then gi
 # is taking right now (a claimer locks its job row, and the others pass over it instead of
 # queueing behind its transaction: workers that score alike all prefer the same job), if the
 # worker has room for it (its open assignments, held members included, below its slots, not
-# draining, no seat of the aging reservation); its assignment row, the Assigned transition,
-# the worker's idle slot cleared, and the head's first in line counted as passed over when
-# another job went (skipped while another claim holds it: a count, never a wait).
-CLAIM_SQL = """
+# draining, no seat of the aging reservation); its assignment row by the single-assignment
+# claim (gradient.jobs.claim, over every candidate's row, the picked one kept), the Assigned
+# transition, the worker's idle slot cleared, and the head's first in line counted as passed
+# over when another job went (skipped while another claim holds it: a count, never a wait).
+SINGLE_CLAIM_SQL = """
 WITH pick AS (
-    SELECT j.id, j.status, j.project_id FROM {table} j
+    SELECT j.id FROM {table} j
     WHERE j.id = ANY(%(ids)s::uuid[]) AND j.status IN ({statuses}) AND NOT j.active_member
     ORDER BY array_position(%(ids)s::uuid[], j.id)
     LIMIT 1
     FOR NO KEY UPDATE {skip}
-), worker AS (
-    SELECT w.id, w.draining,
-           (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
-              AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots} AS full,
+), room AS (
+    SELECT w.draining OR (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
+                              AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots}
+               AS full,
            EXISTS (SELECT 1 FROM reservation_seat s
                    JOIN cluster_reservation r ON r.id = s.reservation_id
                    WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
                AS reserved
     FROM worker w WHERE w.id = %(worker)s
-), claimed AS (
-    INSERT INTO dispatched_job (id, kind, job_id, evaluation_id, derivation_build_id,
-                                worker_id, project_id, steps, dispatched_at)
-    SELECT %(assignment)s, '{kind}', '{prefix}' || pick.id::text, {eval_id}, {build_id},
-           w.id, pick.project_id, CASE pick.status {steps} END, %(now)s
-    FROM pick, worker w
-    WHERE NOT (w.draining OR w.full OR w.reserved)
-    ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
-    RETURNING steps
-), assigned AS (
-    UPDATE {table} j SET status = CASE pick.status {targets} END
-    FROM pick, claimed WHERE j.id = pick.id
+), claimed AS ({claim}), assigned AS (
+    UPDATE {table} j SET status = CASE j.status {targets} END
+    FROM pick, claimed WHERE j.id = pick.id AND {guard}
 ), unidle AS (
     DELETE FROM idle_slot s
     WHERE s.worker_id = %(worker)s AND s.kind = '{kind}' AND EXISTS (SELECT 1 FROM claimed)
@@ -75,10 +73,11 @@ WITH pick AS (
           FOR NO KEY UPDATE SKIP LOCKED) f
     WHERE j.id = f.id AND f.id <> (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)
 )
-SELECT (SELECT id FROM pick), (SELECT steps FROM claimed),
-       w.draining OR w.full, w.reserved
-FROM worker w
+SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.full, room.reserved
+FROM room
 """
+PICKED = """t.job_id = '{prefix}' || (SELECT id FROM pick)::text
+  AND NOT EXISTS (SELECT 1 FROM room WHERE full OR reserved)"""
 
 
 def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob]:
@@ -98,17 +97,16 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 @functools.cache
 def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -> str:
     table, prefix = job_table(kind)
+    machine = BUILD_MACHINE if kind == JobKind.BUILD else EVALUATION_MACHINE
     moves = dict(zip(statuses, steps, strict=True))
-    return CLAIM_SQL.format(
+    return SINGLE_CLAIM_SQL.format(
         table=table,
-        prefix=prefix,
         kind=kind,
         statuses=literals(statuses),
         slots="max_concurrent_builds" if kind == JobKind.BUILD else "max_concurrent_evals",
-        eval_id="pick.id" if kind == JobKind.EVAL else "NULL::uuid",
-        build_id="pick.id" if kind == JobKind.BUILD else "NULL::uuid",
-        steps=" ".join(f"WHEN '{s}' THEN '{{{','.join(st)}}}'::text[]" for s, st in moves.items()),
+        claim=claim_sql(PICKED.format(prefix=prefix)),
         targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
+        guard=machine.guard("j", "assigned_from"),
         skip="SKIP LOCKED" if skip else "",
     )
 
@@ -116,16 +114,19 @@ def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -
 def _assigned(kind: str, status: str, steps: tuple[str, ...]) -> str:
     """The Assigned transition of a job claimed from `status` for these steps."""
     if kind == JobKind.BUILD:
-        to = BuildStatus.BUILDING
-        assert status in BUILD_SOURCES[to]
-        return to
-    to = (
-        EvaluationStatus.FETCHING
-        if list(steps) == FETCH_STEPS
-        else EvaluationStatus.EVALUATING_FLAKE
-    )
-    assert status in EVALUATION_SOURCES[to]
-    return to
+        return BuildStatus.BUILDING
+    fetch = list(steps) == FETCH_STEPS
+    return EvaluationStatus.FETCHING if fetch else EvaluationStatus.EVALUATING_FLAKE
+
+
+def _assigned_from(how: Offerable) -> list[str]:
+    """The sources the machine allows for the Assigned transitions of this kind's claims."""
+    machine = BUILD_MACHINE if how.kind == JobKind.BUILD else EVALUATION_MACHINE
+    allowed = set()
+    for status in how.statuses:
+        to = _assigned(how.kind, status, tuple(how.steps_for[status]))
+        allowed |= machine.allowed(to, {status})
+    return sorted(allowed)
 
 
 class Claimed(NamedTuple):
@@ -139,26 +140,26 @@ class Claimed(NamedTuple):
 NOTHING = Claimed(None, None, [], False, False)
 
 
-def claim_best(worker_id: int, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
+def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
     """Claim the first of `jobs` (ranked) that can be claimed."""
     by_id = {job.id: job for job in jobs}
     statuses = how.statuses
     steps = tuple(tuple(how.steps_for[s]) for s in statuses)
     skip = True
     while by_id:
-        assignment = uuid.uuid4()
+        rows = {job.key: _assignment(worker, how, job) for job in by_id.values()}
         with connection.cursor() as cursor:
             cursor.execute(
                 _claim_sql(how.kind, statuses, steps, skip),
                 {
                     "ids": list(by_id),
-                    "worker": worker_id,
-                    "assignment": assignment,
-                    "now": timezone.now(),
+                    "worker": worker.pk,
                     "first": first.id,
+                    "assigned_from": _assigned_from(how),
+                    **claim_params(list(rows.values())),
                 },
             )
-            picked, claimed_steps, no_room, reserved = cursor.fetchone()
+            picked, claimed, no_room, reserved = cursor.fetchone()
         if no_room or reserved:
             return NOTHING._replace(no_room=no_room, reserved=reserved)
         if picked is None:
@@ -167,9 +168,19 @@ def claim_best(worker_id: int, how: Offerable, jobs: list[HeadJob], first: HeadJ
             skip = False  # every one locked: wait for the best, a lock may be a moment's
             continue
         job = by_id.pop(picked)
-        if claimed_steps is not None:
-            return Claimed(job, assignment, claimed_steps, False, False)
+        if claimed is not None:
+            assignment = rows[claimed]
+            return Claimed(job, assignment.id, assignment.steps, False, False)
     return NOTHING
+
+
+def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
+    return Assignment(
+        gate=ClaimGate(how.kind, job.id, job.substitute),
+        worker_id=worker.pk,
+        project_id=job.project_id,
+        steps=how.steps_for[job.status],
+    )
 
 
 # One statement, outside any transaction: update_or_create would take four round trips
@@ -226,7 +237,7 @@ def request_job(
         jobs = head if read == 0 and head is not None else read_singles(worker, how)
         if not jobs:
             break
-        claimed = claim_best(worker_id, how, ranked(jobs, sizes or {}), jobs[0])
+        claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0])
         if claimed.no_room:
             clear_idle(worker_id, kind)
             return None

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
+from gradient.jobs.transitions import finish_assignments
 from workers.models import IdleSlot, JobScore, Worker, hash_token
 from workers.protocol import WorkerCapabilities
 from workers.reports import release_single
@@ -41,10 +42,7 @@ def abandon_single_assignments(worker_id: int) -> int:
             worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True
         )
     )
-    now = timezone.now()
-    DispatchedJob.objects.filter(pk__in=[r.pk for r in rows]).update(
-        finished_at=now, outcome=DispatchedOutcome.ABANDONED
-    )
+    finish_assignments([r.pk for r in rows], DispatchedOutcome.ABANDONED)
     release_single(rows)
     IdleSlot.objects.filter(worker_id=worker_id).delete()
     return len(rows)

@@ -12,10 +12,13 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.coordinator import accept_assignment, member_rejected
-from clusters.recovery import member_report
+from clusters.settlement import member_report
 from clusters.verdict import ABORTING_FAILURES, REQUEUEING_FAILURES
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
+    BUILD_MACHINE,
+    DISPATCHED_MACHINE,
+    EVALUATION_MACHINE,
     BuildStatus,
     DerivationBuild,
     DispatchedJob,
@@ -23,12 +26,7 @@ from gradient.jobs.models import (
     EvaluationStatus,
     JobKind,
 )
-from gradient.jobs.transitions import (
-    BUILD_SOURCES,
-    EVALUATION_SOURCES,
-    advance_build,
-    advance_evaluation,
-)
+from gradient.jobs.transitions import advance_build, advance_evaluation, finish_assignments
 from workers.head import FETCH_STEPS
 
 
@@ -47,10 +45,11 @@ def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
     return row
 
 
-def _finish(row: DispatchedJob, outcome: str) -> None:
+def _finish(row: DispatchedJob, outcome: str, failure_kind: str | None = None) -> None:
+    # The row is locked and open (_open_row): its guarded write cannot miss.
     row.finished_at = timezone.now()
-    row.outcome = outcome
-    row.save(update_fields=["finished_at", "outcome"])
+    row.outcome, row.failure_kind = outcome, failure_kind
+    finish_assignments([row.pk], outcome, row.finished_at, failure_kind)
 
 
 def _assignment_pk(assignment_id: str) -> uuid.UUID:
@@ -60,43 +59,48 @@ def _assignment_pk(assignment_id: str) -> uuid.UUID:
         raise NotAllowed(f"no assignment {assignment_id!r}") from None
 
 
-# A single job's JobCompleted in one statement (one round trip, atomic on its own): finish
-# its open row and move its job (a build or an evaluation to Completed) from the sources the
-# guarded transitions allow. A fetch-only job leaves its evaluation Fetching. Whether the
-# assignment is a cluster member's comes back with it, so a member's report costs no extra
-# query.
-COMPLETE_SINGLE_SQL = """
+# A single job's JobCompleted in one statement (one round trip, atomic on its own): three
+# guarded writes, its open row finished and its job (a build or an evaluation) Completed. A
+# fetch-only job leaves its evaluation Fetching. Whether the assignment is a cluster member's
+# comes back with it, so a member's report costs no extra query.
+_DONE = DISPATCHED_MACHINE.update(
+    "done",
+    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s AND cluster_attempt_id IS NULL",
+    returning="steps, evaluation_id, derivation_build_id",
+)
+_BUILDS = BUILD_MACHINE.update("build", "id IN (SELECT derivation_build_id FROM done)")
+_EVALUATIONS = EVALUATION_MACHINE.update(
+    "eval",
+    "id IN (SELECT evaluation_id FROM done WHERE steps::text[] <> %(fetch_only)s::text[])",
+)
+COMPLETE_SINGLE_SQL = f"""
 WITH done AS (
-    UPDATE dispatched_job SET finished_at = %(now)s, outcome = %(outcome)s
-    WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s
-      AND finished_at IS NULL AND cluster_attempt_id IS NULL
-    RETURNING steps, evaluation_id, derivation_build_id
+{_DONE}
 ), builds AS (
-    UPDATE derivation_build SET status = %(build_to)s
-    WHERE id IN (SELECT derivation_build_id FROM done) AND status = ANY(%(build_from)s)
+{_BUILDS}
 ), evaluations AS (
-    UPDATE evaluation SET status = %(eval_to)s
-    WHERE id IN (SELECT evaluation_id FROM done WHERE steps::text[] <> %(fetch_only)s::text[])
-      AND status = ANY(%(eval_from)s)
+{_EVALUATIONS}
 )
 SELECT EXISTS (SELECT 1 FROM done),
        EXISTS (SELECT 1 FROM dispatched_job WHERE id = %(id)s AND cluster_attempt_id IS NOT NULL)
 """
 
 
+COMPLETE_PARAMS = {
+    **BUILD_MACHINE.bind("build", BuildStatus.COMPLETED),
+    **EVALUATION_MACHINE.bind("eval", EvaluationStatus.COMPLETED),
+}
+
+
 def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
     pk = _assignment_pk(assignment_id)
     params = {
-        "now": timezone.now(),
-        "outcome": DispatchedOutcome.COMPLETED.value,
         "id": pk,
         "worker": worker_id,
         "job": job_id,
-        "build_to": BuildStatus.COMPLETED.value,
-        "build_from": sorted(BUILD_SOURCES[BuildStatus.COMPLETED]),
-        "eval_to": EvaluationStatus.COMPLETED.value,
-        "eval_from": sorted(EVALUATION_SOURCES[EvaluationStatus.COMPLETED]),
         "fetch_only": FETCH_STEPS,
+        **COMPLETE_PARAMS,
+        **DISPATCHED_MACHINE.bind("done", DispatchedOutcome.COMPLETED, at=timezone.now()),
     }
     with connection.cursor() as cursor:
         cursor.execute(COMPLETE_SINGLE_SQL, params)
@@ -117,9 +121,7 @@ def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> No
 
     def single() -> None:
         row = _open_row(worker_id, job_id, assignment_id)
-        _finish(row, DispatchedOutcome.FAILED)
-        row.failure_kind = kind
-        row.save(update_fields=["failure_kind"])
+        _finish(row, DispatchedOutcome.FAILED, kind)
         _fail_single(row, kind)
 
     member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, kind, single=single)

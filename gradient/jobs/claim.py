@@ -1,10 +1,14 @@
 """claim_assignment: the single-assignment claim statement.
 
-One INSERT ... SELECT ... WHERE <start condition> ON CONFLICT DO NOTHING: the job's start
-condition and idx-dispatched_job-open-job decide in PostgreSQL whether this claimer wins, so
-any number of processes can claim at once and at most one row per job key is ever open.
+One INSERT ... SELECT ... WHERE <start condition> ON CONFLICT DO NOTHING over a set of rows,
+an assignment each: each job's start condition and idx-dispatched_job-open-job decide in
+PostgreSQL whether its claimer wins, so any number of processes can claim at once and at most
+one row per job key is ever open. A single job is one row; a cluster claim (clusters.claim)
+sends every member's row, each with its own job key, start condition and attempt, to the same
+statement.
 """
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -13,7 +17,7 @@ from functools import cached_property
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from gradient.jobs.models import EVALUATION_STARTABLE, BuildStatus, JobKind
+from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
 
 EVAL_PREFIX = "eval:"
 BUILD_PREFIX = "build:"
@@ -21,14 +25,6 @@ BUILD_PREFIX = "build:"
 
 def job_key(kind: str, job_uuid) -> str:
     return f"{EVAL_PREFIX if kind == JobKind.EVAL else BUILD_PREFIX}{job_uuid}"
-
-
-def parse_job_key(key: str) -> tuple[str, uuid.UUID]:
-    """`eval:<uuid>` or `build:<uuid>` -> (kind, uuid); ValueError otherwise."""
-    kind, sep, rest = key.partition(":")
-    if not sep or kind not in (JobKind.EVAL, JobKind.BUILD):
-        raise ValueError(f"not a job key: {key!r}")
-    return kind, uuid.UUID(rest)
 
 
 @dataclass(frozen=True)
@@ -45,18 +41,6 @@ class ClaimGate:
         # Cached: a batch of claims sorts and matches its members by key several times over.
         return job_key(self.kind, self.job)
 
-    def condition(self) -> tuple[str, list]:
-        if self.kind == JobKind.BUILD:
-            return (
-                "EXISTS (SELECT 1 FROM derivation_build WHERE id = %s AND status = %s"
-                " AND cache_available = %s)",
-                [self.job, BuildStatus.QUEUED.value, self.substitute],
-            )
-        return (
-            "EXISTS (SELECT 1 FROM evaluation WHERE id = %s AND status = ANY(%s))",
-            [self.job, sorted(s.value for s in EVALUATION_STARTABLE)],
-        )
-
 
 @dataclass
 class Assignment:
@@ -70,66 +54,94 @@ class Assignment:
     dispatched_at: datetime | None = None
 
 
-CLAIM_SQL = """
+# The claim's rows, an assignment each (claim_rows), aliased t. They go as one JSON document:
+# psycopg dumps a Python list element by element (a type lookup and a quoting check for
+# each), which for a dispatch pass's batch of members cost more than the statement itself;
+# json.dumps is C, and PostgreSQL reads the rows with json_to_recordset.
+CLAIM_ROWS = """json_to_recordset(%(claims)s::json)
+     AS t(id uuid, kind text, job_id text, evaluation_id uuid, build_id uuid, worker_id bigint,
+          project_id bigint, steps text, dispatched_at timestamptz, attempt_id uuid,
+          size bigint, substitute bool)"""
+
+# The start condition of a row's job (ClaimGate). A cluster claim also reads it to leave out,
+# before writing anything, an attempt with a member that cannot start. Each probe reads its
+# row by primary key: OFFSET 0 keeps PostgreSQL from hashing a whole table instead, which it
+# would for the hundred rows it guesses a JSON document holds.
+START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
+     THEN EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = t.build_id
+                  AND b.status = ANY(%(build_startable)s) AND b.cache_available = t.substitute
+                  OFFSET 0)
+     ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
+                  AND e.status = ANY(%(eval_startable)s) OFFSET 0)
+END"""
+# A row's attempt was opened (always true for a single job's row), probed as above.
+ATTEMPT_OPENED = """(t.attempt_id IS NULL
+     OR EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = t.attempt_id OFFSET 0))"""
+
+# Rows go in job-key order, so overlapping claimers queue on the same key first. A member's
+# row goes in only under its attempt: a cluster claim whose attempt was not opened (it lost
+# that step) inserts none of its members.
+CLAIM_TEMPLATE = f"""
 INSERT INTO dispatched_job (
     id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
     dispatched_at, cluster_attempt_id, missing_nar_size
 )
-SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s
-WHERE {condition}
+SELECT t.id, t.kind, t.job_id, t.evaluation_id, t.build_id, t.worker_id, t.project_id,
+       string_to_array(t.steps, ','), t.dispatched_at, t.attempt_id, t.size
+FROM {CLAIM_ROWS}
+WHERE {START_CONDITION}
+  AND {ATTEMPT_OPENED}
+  /*also*/
+ORDER BY t.job_id
 ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING id
+RETURNING job_id
 """
+CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
 
 
-def claim_statement(assignment: Assignment) -> tuple[str, list]:
-    """The claim statement of one assignment, with its own job key and start condition."""
-    gate = assignment.gate
-    condition, cond_params = gate.condition()
-    is_eval = gate.kind == JobKind.EVAL
-    params = [
-        assignment.id,
-        gate.kind,
-        gate.key,
-        gate.job if is_eval else None,
-        None if is_eval else gate.job,
-        assignment.worker_id,
-        assignment.project_id,
-        assignment.steps,
-        assignment.dispatched_at or timezone.now(),
-        assignment.cluster_attempt_id,
-        assignment.missing_nar_size,
-        *cond_params,
-    ]
-    return CLAIM_SQL.format(condition=condition), params
+def claim_sql(also: str) -> str:
+    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t): the single path
+    names there which of its candidates a statement claims."""
+    return CLAIM_TEMPLATE.replace("/*also*/", f"AND {also}")
+
+
+START_PARAMS = {
+    "build_startable": sorted(BUILD_STARTABLE),
+    "eval_startable": sorted(EVALUATION_STARTABLE),
+}
+
+
+def claim_params(assignments: list[Assignment]) -> dict:
+    """The parameters of CLAIM_SQL (and of START_CONDITION over CLAIM_ROWS)."""
+    now = timezone.now().isoformat()
+    rows = []
+    for a in assignments:
+        is_build = a.gate.kind == JobKind.BUILD
+        job = str(a.gate.job)
+        rows.append(
+            {
+                "id": a.id.hex,
+                "kind": a.gate.kind,
+                "job_id": a.gate.key,
+                "evaluation_id": None if is_build else job,
+                "build_id": job if is_build else None,
+                "worker_id": a.worker_id,
+                "project_id": a.project_id,
+                "steps": ",".join(a.steps),
+                "dispatched_at": a.dispatched_at.isoformat() if a.dispatched_at else now,
+                "attempt_id": a.cluster_attempt_id.hex if a.cluster_attempt_id else None,
+                "size": a.missing_nar_size,
+                "substitute": a.gate.substitute,
+            }
+        )
+    return {"claims": json.dumps(rows), **START_PARAMS}
 
 
 def claim_assignment(assignment: Assignment, using=None) -> bool:
     """Insert the assignment's open row if its job can start and has no open row.
 
-    True when this call won. Runs in the caller's transaction when there is one, so a cluster
-    claim can chain several of these and roll all back on the first loss.
+    True when this call won. Runs in the caller's transaction when there is one.
     """
-    conn = connections[using or DEFAULT_DB_ALIAS]
-    with conn.cursor() as cursor:
-        cursor.execute(*claim_statement(assignment))
+    with connections[using or DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute(CLAIM_SQL, claim_params([assignment]))
         return cursor.fetchone() is not None
-
-
-def claim_assignments(assignments: list[Assignment], using=None) -> bool:
-    """claim_assignment for each assignment in turn, all sent in one round trip (a psycopg
-    pipeline); True when every one won.
-
-    Every statement runs, in the given order, even after one lost: the caller must run this
-    in a transaction and roll it back on False. An error (a lock_timeout) aborts the rest of
-    the pipeline and is raised as Django's DatabaseError.
-    """
-    conn = connections[using or DEFAULT_DB_ALIAS]
-    conn.ensure_connection()
-    pg = conn.connection
-    cursors = [pg.cursor() for _ in assignments]
-    with conn.wrap_database_errors:
-        with pg.pipeline():
-            for cursor, assignment in zip(cursors, assignments, strict=True):
-                cursor.execute(*claim_statement(assignment))
-        return all(cursor.fetchone() is not None for cursor in cursors)

@@ -9,6 +9,8 @@ from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 
+from gradient.jobs.states import StateMachine
+
 
 class Project(models.Model):
     name = models.CharField(max_length=200, unique=True)
@@ -33,11 +35,26 @@ class EvaluationStatus(models.TextChoices):
     ABORTED = "Aborted"
 
 
-EVALUATION_TERMINAL = frozenset(
-    {EvaluationStatus.COMPLETED, EvaluationStatus.FAILED, EvaluationStatus.ABORTED}
-)
+E = EvaluationStatus
+EVALUATION_TERMINAL = frozenset({E.COMPLETED, E.FAILED, E.ABORTED})
 # An evaluation can be claimed while it is not finished (the claim's start condition).
-EVALUATION_STARTABLE = frozenset(set(EvaluationStatus) - EVALUATION_TERMINAL)
+EVALUATION_STARTABLE = frozenset(set(E) - EVALUATION_TERMINAL)
+EVALUATION_MACHINE = StateMachine(
+    "evaluation",
+    "evaluation",
+    frozenset(E),
+    {
+        # Back to Queued: a cluster's Retry, or a single evaluation's assignment released.
+        E.QUEUED: frozenset({E.FETCHING, E.EVALUATING_FLAKE, E.EVALUATING_DERIVATION}),
+        E.FETCHING: frozenset({E.QUEUED}),
+        E.EVALUATING_FLAKE: frozenset({E.QUEUED, E.FETCHING}),
+        E.EVALUATING_DERIVATION: frozenset({E.EVALUATING_FLAKE}),
+        E.BUILDING: frozenset({E.EVALUATING_DERIVATION}),
+        E.COMPLETED: frozenset({E.EVALUATING_FLAKE, E.EVALUATING_DERIVATION, E.BUILDING}),
+        E.FAILED: EVALUATION_STARTABLE,
+        E.ABORTED: EVALUATION_STARTABLE,
+    },
+)
 
 
 class BuildStatus(models.TextChoices):
@@ -53,17 +70,33 @@ class BuildStatus(models.TextChoices):
     FAILED_TIMEOUT = "FailedTimeout"
 
 
+B = BuildStatus
 BUILD_TERMINAL = frozenset(
-    {
-        BuildStatus.COMPLETED,
-        BuildStatus.FAILED_PERMANENT,
-        BuildStatus.ABORTED,
-        BuildStatus.DEPENDENCY_FAILED,
-        BuildStatus.SUBSTITUTED,
-    }
+    {B.COMPLETED, B.FAILED_PERMANENT, B.ABORTED, B.DEPENDENCY_FAILED, B.SUBSTITUTED}
 )
 # Failures that send a build back to Queued; a spent budget turns them permanent.
-BUILD_REQUEUEABLE = frozenset({BuildStatus.FAILED_TRANSIENT, BuildStatus.FAILED_TIMEOUT})
+BUILD_REQUEUEABLE = frozenset({B.FAILED_TRANSIENT, B.FAILED_TIMEOUT})
+# A build can be claimed while Queued (the claim's start condition), in the substitute mode
+# the claimer saw.
+BUILD_STARTABLE = frozenset({B.QUEUED})
+BUILD_MACHINE = StateMachine(
+    "build",
+    "derivation_build",
+    frozenset(B),
+    {
+        # From Building: an assignment released before its build ran (prepare failed, retry).
+        B.QUEUED: frozenset({B.CREATED, B.BUILDING}) | BUILD_REQUEUEABLE,
+        # The Assigned transition: a claimed build is on a worker.
+        B.BUILDING: BUILD_STARTABLE,
+        B.COMPLETED: frozenset({B.BUILDING}),
+        B.SUBSTITUTED: frozenset({B.QUEUED, B.BUILDING}),
+        B.FAILED_TRANSIENT: frozenset({B.BUILDING}),
+        B.FAILED_TIMEOUT: frozenset({B.BUILDING}),
+        B.FAILED_PERMANENT: frozenset({B.BUILDING}) | BUILD_REQUEUEABLE,
+        B.DEPENDENCY_FAILED: frozenset({B.CREATED, B.QUEUED}),
+        B.ABORTED: frozenset({B.CREATED, B.QUEUED, B.BUILDING}) | BUILD_REQUEUEABLE,
+    },
+)
 
 
 class JobFields(models.Model):
@@ -105,12 +138,12 @@ class Evaluation(JobFields):
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",
-                condition=Q(status__in=["Queued", "Fetching"], active_member=False),
+                condition=Q(status__in=[E.QUEUED, E.FETCHING], active_member=False),
             ),
             models.Index(
                 fields=["project", "architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head-proj",
-                condition=Q(status__in=["Queued", "Fetching"], active_member=False),
+                condition=Q(status__in=[E.QUEUED, E.FETCHING], active_member=False),
             ),
         ]
 
@@ -138,12 +171,12 @@ class DerivationBuild(JobFields):
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-derivation_build-head",
-                condition=Q(status="Queued", active_member=False),
+                condition=Q(status=B.QUEUED, active_member=False),
             ),
             models.Index(
                 fields=["project", "architecture", "-prioritized", "created_at"],
                 name="idx-derivation_build-head-proj",
-                condition=Q(status="Queued", active_member=False),
+                condition=Q(status=B.QUEUED, active_member=False),
             ),
         ]
 
@@ -164,6 +197,19 @@ class DispatchedOutcome(models.TextChoices):
     COMPLETED = "Completed"
     FAILED = "Failed"
     ABANDONED = "Abandoned"
+
+
+# An assignment is Open while finished_at is NULL, then finished with its outcome, for good:
+# a report, a rejection, a disconnect or its attempt's close ends only an open row.
+DISPATCHED_OPEN = "Open"
+DISPATCHED_MACHINE = StateMachine(
+    "dispatched job",
+    "dispatched_job",
+    frozenset({DISPATCHED_OPEN, *DispatchedOutcome}),
+    {outcome: frozenset({DISPATCHED_OPEN}) for outcome in DispatchedOutcome},
+    state=f"CASE WHEN {{t}}.finished_at IS NULL THEN '{DISPATCHED_OPEN}' ELSE {{t}}.outcome END",
+    write="finished_at = {at}, outcome = {to}",
+)
 
 
 class DispatchedJob(models.Model):

@@ -1,85 +1,67 @@
-"""Guarded state transitions of evaluations and shared builds.
+"""The guarded writes of every state machine (gradient.jobs.states): move(), and the ORM-free
+wrappers the single path and the reports call.
 
-A transition is a conditional UPDATE: it moves a job only from a state that allows the move,
-and reports whether it did. No caller writes a status directly.
+Every status write of the project goes through a machine's update(): here as a statement of
+its own, elsewhere as a CTE of a set-based statement (the claim, the start, the close, a
+single job's completion). No caller writes a status, an outcome or a finish time otherwise.
 """
 
-from django.db import models
+from collections.abc import Iterable
+from datetime import datetime
 
-from gradient.jobs.models import (
-    BUILD_REQUEUEABLE,
-    EVALUATION_STARTABLE,
-    BuildStatus,
-    DerivationBuild,
-    Evaluation,
-    EvaluationStatus,
-)
+from django.db import connection
+from django.utils import timezone
 
-E = EvaluationStatus
-B = BuildStatus
-
-# target -> states it may be reached from
-EVALUATION_SOURCES: dict[str, frozenset[str]] = {
-    E.QUEUED: frozenset({E.FETCHING, E.EVALUATING_FLAKE, E.EVALUATING_DERIVATION}),
-    E.FETCHING: frozenset({E.QUEUED}),
-    E.EVALUATING_FLAKE: frozenset({E.QUEUED, E.FETCHING}),
-    E.EVALUATING_DERIVATION: frozenset({E.EVALUATING_FLAKE}),
-    E.BUILDING: frozenset({E.EVALUATING_DERIVATION}),
-    E.COMPLETED: frozenset({E.EVALUATING_FLAKE, E.EVALUATING_DERIVATION, E.BUILDING}),
-    E.FAILED: EVALUATION_STARTABLE,
-    E.ABORTED: EVALUATION_STARTABLE,
-}
-
-BUILD_SOURCES: dict[str, frozenset[str]] = {
-    # From Building: an assignment released before its build ran (prepare failed, retry).
-    B.QUEUED: frozenset({B.CREATED, B.BUILDING}) | BUILD_REQUEUEABLE,
-    # The Assigned transition: a claimed build is on a worker.
-    B.BUILDING: frozenset({B.QUEUED}),
-    B.COMPLETED: frozenset({B.BUILDING}),
-    B.SUBSTITUTED: frozenset({B.QUEUED, B.BUILDING}),
-    B.FAILED_TRANSIENT: frozenset({B.BUILDING}),
-    B.FAILED_TIMEOUT: frozenset({B.BUILDING}),
-    B.FAILED_PERMANENT: frozenset({B.BUILDING}) | BUILD_REQUEUEABLE,
-    B.DEPENDENCY_FAILED: frozenset({B.CREATED, B.QUEUED}),
-    B.ABORTED: frozenset({B.CREATED, B.QUEUED, B.BUILDING}) | BUILD_REQUEUEABLE,
-}
+from gradient.jobs.models import BUILD_MACHINE, DISPATCHED_MACHINE, EVALUATION_MACHINE
+from gradient.jobs.states import StateMachine
 
 
-class IllegalTransition(ValueError):
-    pass
-
-
-def _allowed(model: type[models.Model], sources: dict, to: str, expect) -> frozenset[str]:
-    if to not in sources:
-        raise IllegalTransition(f"{model.__name__} cannot be moved to {to}")
-    allowed = sources[to] if expect is None else sources[to] & frozenset(expect)
-    if not allowed:
-        raise IllegalTransition(f"{model.__name__} cannot move from {set(expect)} to {to}")
-    return allowed
-
-
-def _advance(model: type[models.Model], sources: dict, pk, to: str, expect=None) -> bool:
-    allowed = _allowed(model, sources, to, expect)
-    return model.objects.filter(pk=pk, status__in=allowed).update(status=to) == 1
-
-
-def advance_builds(pks, to: str, expect=None) -> int:
-    """Move every listed build that may move to `to`; returns how many moved."""
-    allowed = _allowed(DerivationBuild, BUILD_SOURCES, to, expect)
-    return DerivationBuild.objects.filter(pk__in=pks, status__in=allowed).update(status=to)
+def move(machine: StateMachine, pks: Iterable, to: str, expect=None, *, at=None) -> int:
+    """Move every listed row that may move to `to` (from `expect` only, when given), at
+    `at` (now by default) where the move writes a time; how many moved."""
+    params = {"ids": list(pks), **machine.bind("move", to, expect, at=at or timezone.now())}
+    if not params["ids"]:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(machine.update("move", "id = ANY(%(ids)s)", to=to), params)
+        return cursor.rowcount
 
 
 def advance_evaluation(pk, to: str, expect=None) -> bool:
     """Move an evaluation to `to` if its state allows; `expect` narrows the accepted sources."""
-    return _advance(Evaluation, EVALUATION_SOURCES, pk, to, expect)
-
-
-def advance_build(pk, to: str, expect=None) -> bool:
-    """Move a shared build to `to` if its state allows; `expect` narrows the accepted sources."""
-    return _advance(DerivationBuild, BUILD_SOURCES, pk, to, expect)
+    return move(EVALUATION_MACHINE, [pk], to, expect) == 1
 
 
 def advance_evaluations(pks, to: str, expect=None) -> int:
     """Move every listed evaluation that may move to `to`; returns how many moved."""
-    allowed = _allowed(Evaluation, EVALUATION_SOURCES, to, expect)
-    return Evaluation.objects.filter(pk__in=pks, status__in=allowed).update(status=to)
+    return move(EVALUATION_MACHINE, pks, to, expect)
+
+
+def advance_build(pk, to: str, expect=None) -> bool:
+    """Move a shared build to `to` if its state allows; `expect` narrows the accepted sources."""
+    return move(BUILD_MACHINE, [pk], to, expect) == 1
+
+
+def advance_builds(pks, to: str, expect=None) -> int:
+    """Move every listed build that may move to `to`; returns how many moved."""
+    return move(BUILD_MACHINE, pks, to, expect)
+
+
+FINISH_SQL = DISPATCHED_MACHINE.update(
+    "finish", "id = ANY(%(ids)s)", also=", failure_kind = %(failure_kind)s"
+)
+
+
+def finish_assignments(pks, outcome: str, now: datetime | None = None, failure_kind=None) -> int:
+    """End every listed open assignment with its outcome (and a JobFailed's kind); how many
+    were open."""
+    params = {
+        "ids": list(pks),
+        "failure_kind": failure_kind,
+        **DISPATCHED_MACHINE.bind("finish", outcome, at=now or timezone.now()),
+    }
+    if not params["ids"]:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(FINISH_SQL, params)
+        return cursor.rowcount

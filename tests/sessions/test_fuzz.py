@@ -561,7 +561,7 @@ def other_workers_state():
     assert run_pass().claimed == [cluster.pk]
     members = list(DispatchedJob.objects.filter(cluster_attempt__cluster_job=cluster))
     for row in members:
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     attempt = ClusterAttempt.objects.get(cluster_job=cluster)
     assert attempt.started_at is not None and attempt.finished_at is None
     other = WorkerFactory(name="other")

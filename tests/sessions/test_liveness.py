@@ -51,7 +51,7 @@ def test_a_silent_workers_cluster_member_is_never_requeued_as_a_single_job(setti
     run_pass()
     rows = list(DispatchedJob.objects.all())
     for row in rows:
-        coordinator.member_accepted(row.worker_id, row.job_id)
+        coordinator.accept_assignment(row.worker_id, row.job_id)
     silent = rows[0].worker
     Worker.objects.filter(pk=silent.pk).update(last_seen_at=timezone.now() - timedelta(600))
 

@@ -1,0 +1,361 @@
+"""Settlement, the spec's Recovery: member reports -> the verdict (pure, clusters.verdict) ->
+every member settled.
+
+A member's JobCompleted or JobFailed (or its loss with its worker) releases its row without
+moving its job. The first deciding report resolves the attempt; the verdict then settles every
+member, in the same transaction: the attempt closed, the cluster moved, each member's job
+moved, through their state machines' guarded writes. Reports arriving after the resolution
+find their rows settled and change nothing.
+"""
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
+from clusters.coordinator import abort_prepare, notify_abort
+from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
+from clusters.verdict import (
+    LOST,
+    MemberState,
+    Settlement,
+    Verdict,
+    budget_left,
+    decide,
+    member_moves,
+)
+from gradient.errors import NotAllowed
+from gradient.jobs.models import (
+    BUILD_MACHINE,
+    BUILD_TERMINAL,
+    DISPATCHED_MACHINE,
+    EVALUATION_MACHINE,
+    EVALUATION_TERMINAL,
+    BuildStatus,
+    DispatchedOutcome,
+    EvaluationStatus,
+    JobKind,
+)
+from gradient.jobs.transitions import move
+from gradient.logs import ids
+from gradient.postgresql.pipeline import send
+
+log = logging.getLogger(__name__)
+
+ATTEMPT_OUTCOME = {
+    Verdict.COMPLETE: AttemptOutcome.SUCCEEDED,
+    Verdict.RETRY: AttemptOutcome.FAILED,
+    Verdict.FAIL: AttemptOutcome.FAILED,
+    Verdict.ABORT: AttemptOutcome.ABORTED,
+}
+CLUSTER_STATUS = {
+    Verdict.COMPLETE: ClusterStatus.COMPLETED,
+    Verdict.RETRY: ClusterStatus.QUEUED,
+    Verdict.FAIL: ClusterStatus.FAILED,
+    Verdict.ABORT: ClusterStatus.ABORTED,
+}
+# Every member row of an attempt with what the verdict reads (its state: key, primary,
+# outcome, failure kind, dead: its job final or gone, aborted: its job Aborted) and the
+# attempt and cluster it belongs to, in job-key order. {attempt} is the attempt's id, or
+# REPORTED_ATTEMPT.
+MEMBERS_SQL = """
+SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NULL,
+       c.attempts, c.retry_budget,
+       d.id, d.job_id, d.worker_id, d.evaluation_id, d.derivation_build_id, d.finished_at,
+       d.outcome, d.failure_kind,
+       EXISTS (SELECT 1 FROM cluster_member m
+               WHERE m.cluster_job_id = a.cluster_job_id AND m."primary"
+                 AND (m.evaluation_id = d.evaluation_id
+                      OR m.derivation_build_id = d.derivation_build_id)),
+       coalesce(coalesce(e.status, b.status) = ANY(%(dead)s), true),
+       coalesce(coalesce(e.status, b.status) = ANY(%(aborted)s), false)
+FROM cluster_attempt a
+JOIN cluster_job c ON c.id = a.cluster_job_id
+JOIN dispatched_job d ON d.cluster_attempt_id = a.id
+LEFT JOIN evaluation e ON e.id = d.evaluation_id
+LEFT JOIN derivation_build b ON b.id = d.derivation_build_id
+WHERE a.id = {attempt}
+ORDER BY d.job_id
+"""
+ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
+
+# A member's report opens its transaction with these four statements, sent together (a
+# psycopg pipeline: one round trip). Each runs on a snapshot taken when it starts, so the
+# ones after the lock see every report committed before it.
+# The reporting row's attempt: the row is this worker's, of this job, under this id.
+REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
+                       WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
+# bound_lock_waits, for a member's row only: an assignment that is no member's (a single's
+# JobFailed, handled in the same transaction) keeps its lock waits as they were.
+BOUND_LOCK_WAITS_SQL = f"""
+SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
+"""
+# Reports of one attempt queue on its row (resolve_attempt locks it first too).
+LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
+# The row finishes with the report if it is open (its guarded write), and a Completed only
+# once the attempt has started; the row comes back when it did.
+FINISH_SQL = DISPATCHED_MACHINE.update(
+    "finish",
+    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s"
+    " AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = dispatched_job.cluster_attempt_id"
+    " AND (a.started_at IS NOT NULL OR %(finish_to)s <> %(completed)s))",
+    also=", failure_kind = %(kind)s",
+)
+# The verdict's input, the report included; no row for an assignment that is no member's.
+REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
+
+# Settling, in the lock order of clusters.claim (the attempt, locked already, then its rows,
+# its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
+# cluster: one statement), then in one round trip (a pipeline) every member job's guarded
+# write, by kind, each job to its own target.
+JOB_MACHINES = {JobKind.BUILD: BUILD_MACHINE, JobKind.EVAL: EVALUATION_MACHINE}
+MOVE_SQL = {kind: machine.update_each("jobs") for kind, machine in JOB_MACHINES.items()}
+
+
+# A member row's outcomes the verdict reads; Abandoned (settled, or its prepare failed) and
+# open rows report nothing.
+REPORTED = frozenset({DispatchedOutcome.COMPLETED, DispatchedOutcome.FAILED})
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member's dispatched_job row, as the verdict reads it and settling moves its job."""
+
+    id: uuid.UUID
+    job_id: str
+    worker_id: int
+    evaluation_id: uuid.UUID | None
+    derivation_build_id: uuid.UUID | None
+    finished_at: datetime | None
+    outcome: str | None
+    failure_kind: str | None
+    primary: bool
+    dead: bool
+    aborted: bool
+
+    @classmethod
+    def lost(cls, job_id, evaluation_id, build_id, primary, dead, aborted) -> "Member":
+        """A member whose row closed without a verdict: it counts as lost with its worker."""
+        return cls(
+            None,
+            job_id,
+            None,
+            evaluation_id,
+            build_id,
+            timezone.now(),
+            DispatchedOutcome.FAILED,
+            LOST,
+            primary,
+            dead,
+            aborted,
+        )
+
+    @property
+    def state(self) -> MemberState:
+        outcome = self.outcome if self.outcome in REPORTED else None
+        return MemberState(
+            self.job_id, self.primary, outcome, self.failure_kind, self.dead, self.aborted
+        )
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """An attempt under its lock, with its members, as MEMBERS_SQL reads them."""
+
+    id: uuid.UUID
+    cluster_id: int
+    started: bool
+    closed: bool
+    budget_left: bool
+    members: list[Member]
+
+    @classmethod
+    def from_rows(cls, rows) -> "Attempt":
+        attempt_id, cluster_id, started, closed, attempts, budget = rows[0][:6]
+        members = [Member(*row[6:]) for row in rows]
+        return cls(attempt_id, cluster_id, started, closed, budget_left(attempts, budget), members)
+
+
+# The job statuses the members' SQL reads as dead (final) and as aborted.
+MEMBER_STATUSES = {
+    "dead": sorted(EVALUATION_TERMINAL | BUILD_TERMINAL),
+    "aborted": sorted({EvaluationStatus.ABORTED, BuildStatus.ABORTED}),
+}
+
+
+# Where a settlement sends a member's job: (build status, evaluation status).
+SETTLED_STATUS = {
+    Settlement.COMPLETED: (BuildStatus.COMPLETED, EvaluationStatus.COMPLETED),
+    Settlement.REQUEUED: (BuildStatus.QUEUED, EvaluationStatus.QUEUED),
+    Settlement.FAILED: (BuildStatus.FAILED_PERMANENT, EvaluationStatus.FAILED),
+    Settlement.ABORTED: (BuildStatus.ABORTED, EvaluationStatus.ABORTED),
+}
+
+
+def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]]:
+    """(job, target, expected sources) per member job, by kind, as verdict.member_moves says."""
+    settlements = member_moves(verdict, [m.state for m in members])
+    moves: dict[str, list[tuple]] = {kind: [] for kind in JOB_MACHINES}
+    for m in members:
+        settlement = settlements[m.job_id]
+        to_build, to_eval = SETTLED_STATUS[settlement]
+        if m.derivation_build_id:
+            kind, job, to = JobKind.BUILD, m.derivation_build_id, to_build
+        elif m.evaluation_id:
+            kind, job, to = JobKind.EVAL, m.evaluation_id, to_eval
+        else:
+            continue  # its job is gone
+        # Requeued: only from where the attempt held it (never a job that ended meanwhile).
+        expect = RELEASED_FROM[kind] if settlement == Settlement.REQUEUED else None
+        moves[kind].append((job, to, expect))
+    return moves
+
+
+def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int] | None:
+    """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
+    attempt (abandoning open member rows), move the cluster, settle every member's job. Returns
+    the workers of the survivors, to be told AbortCluster after commit. Without an attempt
+    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs.
+    None, having settled nothing, when the cluster's machine refuses the verdict's move."""
+    survivors = sorted({m.worker_id for m in members if m.finished_at is None})
+    now = timezone.now()
+    if attempt_id is None:
+        moved = move(CLUSTER_MACHINE, [cluster_id], CLUSTER_STATUS[verdict], at=now)
+    else:
+        moved = close_cluster_attempt(
+            attempt_id, ATTEMPT_OUTCOME[verdict], now, cluster_status=CLUSTER_STATUS[verdict]
+        )
+    if not moved:
+        log.error("cluster %s cannot be moved to %s", cluster_id, CLUSTER_STATUS[verdict])
+        return None
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        for kind, moves in _job_moves(verdict, members).items():
+            if moves:
+                send(MOVE_SQL[kind], JOB_MACHINES[kind].bind_each("jobs", moves))
+    log.info(
+        "cluster %s decided %s (attempt %s)",
+        cluster_id,
+        verdict,
+        attempt_id,
+        extra=ids(cluster=cluster_id, attempt=attempt_id),
+    )
+    return survivors
+
+
+def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Attempt, bool] | None:
+    """The report's statements up to the verdict, in one round trip: the attempt locked, the
+    row finished if the report may finish it. None when the assignment is no member's held by
+    this worker; else the attempt as they left it and whether the row finished."""
+    params = {
+        "id": assignment_id,
+        "worker": worker_id,
+        "job": job_id,
+        "kind": kind,
+        "completed": DispatchedOutcome.COMPLETED,
+        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **DISPATCHED_MACHINE.bind("finish", outcome, at=timezone.now()),
+        **MEMBER_STATUSES,
+    }
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        send(BOUND_LOCK_WAITS_SQL, params)
+        send(LOCK_ATTEMPT_SQL, params)
+        finish = send(FINISH_SQL, params)
+        members = send(REPORTED_MEMBERS_SQL, params)
+    rows = members.fetchall()
+    if not rows:
+        return None
+    return Attempt.from_rows(rows), finish.fetchone() is not None
+
+
+def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None:
+    """A report that finished nothing is accepted for a row the decided verdict settled, else
+    NotAllowed."""
+    row = next(m for m in attempt.members if str(m.id) == str(assignment_id))
+    if row.finished_at is None:
+        raise NotAllowed(f"{job_id} must not run before StartCluster")
+    if not (attempt.closed and row.outcome == DispatchedOutcome.ABANDONED):
+        raise NotAllowed(f"{job_id} was reported already")
+
+
+def _resolve(attempt: Attempt, *, aborted: bool = False) -> tuple[Verdict | None, list[int]]:
+    """The verdict of the reports so far, settled when there is one; the survivors."""
+    states = [m.state for m in attempt.members]
+    verdict = decide(states, budget_left=attempt.budget_left, aborted=aborted)
+    if verdict is None:
+        return None, []
+    survivors = settle(attempt.id, attempt.cluster_id, verdict, attempt.members)
+    return (None, []) if survivors is None else (verdict, survivors)
+
+
+def member_report(
+    worker_id: int,
+    job_id: str,
+    assignment_id,
+    outcome: str,
+    kind: str | None = None,
+    *,
+    single: Callable[[], None] | None = None,
+) -> Verdict | None:
+    """A member's JobCompleted/JobFailed (or its loss, outcome Failed with kind "lost").
+
+    Releases its job without moving it; the first deciding report resolves the attempt and
+    settles every member, in the same transaction. Before the start, a failure is a failed
+    prepare and never reaches the job. A report for a member the verdict already settled is
+    accepted and changes nothing. An assignment that is no member's is NotAllowed, or goes to
+    `single`, called in the same transaction (a JobFailed tells a single's from a member's at
+    no extra round trip)."""
+    verdict, survivors = None, []
+    with transaction.atomic(durable=True):
+        recorded = _record_report(worker_id, job_id, assignment_id, outcome, kind)
+        if recorded is None:
+            if single is None:
+                raise NotAllowed(
+                    f"{job_id} is not a member held by this worker under {assignment_id}"
+                )
+            single()
+            return None
+        attempt, finished = recorded
+        if not finished:
+            _refuse_unless_settled(attempt, assignment_id, job_id)
+            return None
+        if attempt.started:
+            verdict, survivors = _resolve(attempt)
+    if not attempt.started:
+        abort_prepare(attempt.id, f"member {job_id} failed before the start ({kind})")
+    elif survivors:
+        notify_abort(attempt.id, f"attempt decided: {verdict}", survivors)
+    return verdict
+
+
+def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdict | None:
+    """Ask the verdict about an open attempt without a report of its own: a member job ended
+    outside the attempt (the sweep), or the whole cluster is aborted (`aborted`). Settles and
+    tells the survivors when there is a verdict; None when there is none, or it was closed."""
+    with transaction.atomic(durable=True):
+        bound_lock_waits()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM cluster_attempt WHERE id = %s AND finished_at IS NULL FOR UPDATE",
+                [attempt_id],
+            )
+            if cursor.fetchone() is None:
+                return None
+            cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, **MEMBER_STATUSES})
+            attempt = Attempt.from_rows(cursor.fetchall())
+        verdict, survivors = _resolve(attempt, aborted=aborted)
+    if verdict is not None:
+        notify_abort(attempt_id, reason, survivors)
+    return verdict
+
+
+def abort_attempt(attempt_id, reason: str) -> bool:
+    """An evaluation abort reached every member (the operator aborted the cluster): the
+    verdict on the open attempt is Abort, survivors end Aborted and are told. False if it was
+    already closed."""
+    return resolve_attempt(attempt_id, reason, aborted=True) == Verdict.ABORT
