@@ -54,7 +54,7 @@ WITH pick AS (
 ), room AS (
     SELECT w.draining OR (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
                               AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots}
-               AS full,
+               AS no_room,
            EXISTS (SELECT 1 FROM reservation_seat s
                    JOIN cluster_reservation r ON r.id = s.reservation_id
                    WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
@@ -73,11 +73,11 @@ WITH pick AS (
           FOR NO KEY UPDATE SKIP LOCKED) f
     WHERE j.id = f.id AND f.id <> (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)
 )
-SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.full, room.reserved
+SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.reserved
 FROM room
 """
 PICKED = """t.job_id = '{prefix}' || (SELECT id FROM pick)::text
-  AND NOT EXISTS (SELECT 1 FROM room WHERE full OR reserved)"""
+  AND NOT EXISTS (SELECT 1 FROM room WHERE no_room OR reserved)"""
 
 
 def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob]:
