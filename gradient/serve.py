@@ -83,15 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     fd = sock.fileno()
     command = [daphne(), "--fd", str(fd), *DAPHNE_OPTIONS, *extra, APPLICATION]
-    children = [subprocess.Popen(command, pass_fds=(fd,)) for _ in range(options.processes)]
-    sock.close()  # the children hold it now
-    print(
-        f"serve: {len(children)} daphne on {options.bind}:{options.port}"
-        f" (pids {' '.join(str(c.pid) for c in children)})",
-        file=sys.stderr,
-        flush=True,
-    )
-
+    children: list[subprocess.Popen] = []
     stopping = []
 
     def stop(*_):
@@ -101,8 +93,20 @@ def main(argv: list[str] | None = None) -> int:
                 if child.poll() is None:
                     child.terminate()
 
+    # Before the first child starts: a SIGTERM while they start must stop them too, not the
+    # launcher alone.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    for _ in range(options.processes):
+        if not stopping:
+            children.append(subprocess.Popen(command, pass_fds=(fd,)))
+    sock.close()  # the children hold it now
+    print(
+        f"serve: {len(children)} daphne on {options.bind}:{options.port}"
+        f" (pids {' '.join(str(c.pid) for c in children)})",
+        file=sys.stderr,
+        flush=True,
+    )
     first = None  # the first child to end on its own, whose status the launcher exits with
     while any(c.poll() is None for c in children):
         ended = [c for c in children if c.poll() is not None]

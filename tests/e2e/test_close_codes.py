@@ -156,6 +156,7 @@ class Cuttable:
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = []
         self.lock = threading.Lock()
+        self.is_cut = False
         threading.Thread(target=self.accept, daemon=True).start()
 
     def accept(self):
@@ -166,6 +167,10 @@ class Cuttable:
                 return  # cut
             server = socket.create_connection(self.target)
             with self.lock:
+                if self.is_cut:  # accepted while cut() ran: it must not get through
+                    client.close()
+                    server.close()
+                    return
                 self.sockets += [client, server]
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self.pump, args=(a, b), daemon=True).start()
@@ -184,6 +189,7 @@ class Cuttable:
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         with self.lock:
+            self.is_cut = True
             for sock in self.sockets:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
