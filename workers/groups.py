@@ -14,6 +14,8 @@ from django.db import transaction
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_SECS = 30.0
+# Group sends under way at once per batch of frames: well within the layer's Redis pool.
+SENDS_AT_ONCE = 32
 
 
 def worker_group(worker_id: int) -> str:
@@ -33,6 +35,9 @@ class _SenderLoop:
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._get()).result(SEND_TIMEOUT_SECS)
+
+    def submit(self, coro) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._get())
 
     def _get(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -85,14 +90,16 @@ async def _send_in_order(queue: asyncio.Queue) -> None:
             logger.warning("a send failed", exc_info=True)
 
 
-def _run(make_coro) -> None:
+def _run(make_coro, wait: bool = True) -> None:
     """Run a send: from a session's thread, queued on its loop (not awaited); elsewhere, on
-    the process's sender loop, waited for."""
+    the process's sender loop, waited for unless `wait` is false."""
     loop = _session_loop()
     if loop is not None:
         _send_on_loop(loop, make_coro)
-    else:
+    elif wait:
         _sender.run(make_coro())
+    else:
+        _sender.submit(make_coro())
 
 
 def send_to_worker_on_commit(worker_id: int, message: dict) -> None:
@@ -124,23 +131,34 @@ def close_revoked_on_commit(worker_id: int) -> None:
     send_to_worker_on_commit(worker_id, {"type": "worker.revoked"})
 
 
-def send_frames(frames: list[tuple[int, object]], event: str = "worker.send") -> None:
+def send_frames(
+    frames: list[tuple[int, object]], event: str = "worker.send", wait: bool = True
+) -> None:
     """Sends protocol messages now (outside any transaction); best effort, like every send.
-    `event` names the session's handler (worker.offer: an offer of the dispatch pass's)."""
+    `event` names the session's handler (worker.offer: an offer of the dispatch pass's);
+    without `wait`, the caller goes on while they are sent."""
     layer = get_channel_layer()
     # A message sent to several workers (a StartCluster to every member) is rendered once.
     texts = {id(message): message.frame() for _, message in frames}
+    per_worker: dict[int, list[str]] = {}
+    for worker_id, message in frames:
+        per_worker.setdefault(worker_id, []).append(texts[id(message)])
+
+    async def send_one(worker_id: int, texts: list[str], gate: asyncio.Semaphore):
+        async with gate:
+            for text in texts:  # one worker's frames in order
+                await layer.group_send(worker_group(worker_id), {"type": event, "frame": text})
 
     async def send_all():
-        try:
-            for worker_id, message in frames:
-                await layer.group_send(
-                    worker_group(worker_id), {"type": event, "frame": texts[id(message)]}
-                )
-        except Exception:
-            logger.warning("could not send %d frame(s)", len(frames), exc_info=True)
+        # The workers' sends side by side: a group send is a few Redis round trips, and one
+        # after another a pass's hundred frames took a second to leave.
+        gate = asyncio.Semaphore(SENDS_AT_ONCE)
+        sends = [send_one(w, texts, gate) for w, texts in per_worker.items()]
+        failed = [r for r in await asyncio.gather(*sends, return_exceptions=True) if r]
+        if failed:
+            logger.warning("could not send %d frame(s)", len(frames), exc_info=failed[0])
 
     try:
-        _run(send_all)
+        _run(send_all, wait)
     except Exception:  # the sender loop timed out
         logger.warning("could not send %d frame(s)", len(frames), exc_info=True)
