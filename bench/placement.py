@@ -1,0 +1,554 @@
+"""Placement quality on a deep queue: the bytes the seats the dispatch pass chose must fetch,
+against the planner's cheapest seating with every (worker, member job) pair scored on the same
+snapshot.
+
+    .venv/bin/python bench/placement.py [--depths 200,2000] [--workers 200] [--warmup N]
+                                        [--passes N] [--tick S] [--job-passes LO-HI]
+                                        [--write docs/benchmarks.md]
+
+The real code in one process, no daphne or Celery: worker rows as if connected (channel_name
+set), Channels' in-memory layer, and the reference worker's deterministic scorer
+(workers.simulator.missing_cost) standing in for each worker's store. For each depth, a fresh
+database: the fleet, and a queue of clusters of 2 to 4 members topped up to the depth before
+every pass. Then ticks, each:
+
+1. clusters whose run ended report JobCompleted (workers.reports); every slot so freed, and
+   every idle slot once per heartbeat, asks as its session would: the head is read and offered
+   (workers.consumer.read_head), the JobOffer answered with the scorer (Offered.record,
+   offers.record_scores), then the RequestJob answered (assignment.request_job, which finds no
+   single job and records the idle slot);
+2. a snapshot as the pass will see it (dispatch.snapshot over startable_clusters), then the
+   real run_pass(); the JobOffers it sent are answered at once, from its job_score rows without
+   a score, so the clusters it held for them are placed by a later pass;
+3. for the clusters it claimed: the scorer's bytes over their seats (the dispatched_job rows of
+   the new attempt) against planner.plan() over the same snapshot (its workers, its book in
+   order up to the last cluster claimed) with every pair scored; then each seat accepts
+   (reports.job_accepted) and its cluster runs for --job-passes passes (so the pass sees the
+   same turnover at every depth, however long a pass takes).
+
+PostgreSQL's autovacuum is off on the shared bench machine; without it job_score's churn (rows
+written by offers, updated by answers, deleted as jobs leave the head) made a pass over 2,000
+clusters take 8 to 18 s. The bench runs VACUUM ANALYZE every few seconds, as autovacuum would.
+
+It uses its own database (--database, default gradient_placement; created and migrated when
+missing, emptied before each depth) and Redis database 14 (what run_pass queues for Celery
+lands there and is flushed).
+"""
+
+import argparse
+import logging
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 14
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_placement"
+SECTION = "## Placement quality"
+TARGET = 1.1  # chosen bytes at most this times full scoring's (issue #18)
+ZONES = ("a", "b", "c")
+PATH_POOL = 3000  # store paths the jobs draw theirs from, so jobs share some
+PATHS_PER_JOB = (3, 10)
+HAVE = (0.1, 0.7)  # share of the pool a worker's store holds, drawn per worker
+EVAL_SHARE = 0.4  # members that are evaluations
+SAME_ZONE_SHARE = 1 / 3
+BUILD_ONLY_EVERY = 4  # every 4th worker takes builds only
+HEARTBEAT_SECS = 10  # a free slot's RequestJob is resent this often (protocol's InitAck)
+VACUUM_SECS = 5
+SEED = 18
+
+
+@dataclass
+class Pass:
+    """One pass's figures, for the clusters it claimed."""
+
+    chosen: int = 0  # bytes the chosen seats must fetch
+    reference: int = 0  # bytes of full scoring's seating of the same clusters
+    seats: int = 0
+    unscored: int = 0  # seats placed without a score
+    placements: int = 0
+    held: int = 0  # clusters it offered and did not claim
+    waiting: bool = False  # it asked to run again for clusters held for scores
+    unseated: int = 0  # clusters full scoring could not seat (left out of both sums)
+    pairs: int = 0  # (idle worker, member) pairs that could seat the claimed clusters
+    scored_pairs: int = 0  # ... of which had a score when the pass ran
+
+
+@dataclass
+class Run:
+    depth: int
+    workers: int
+    passes: list[Pass] = field(default_factory=list)
+    pass_secs: list[float] = field(default_factory=list)
+    ticks: int = 0
+    outside: int = 0  # seats on a worker the snapshot did not have
+    mismatched: int = 0  # seats whose recorded score was not the scorer's
+    load: str = ""
+    wall: float = 0.0  # seconds for the depth, set-up included
+
+
+class Fleet:
+    """The worker rows, each with its store (the share of the pool it holds, as has_path
+    decides), its sessions' offers, and its slots: free or seated until a cluster ends."""
+
+    def __init__(self, workers, have: list[float]):
+        from workers.offers import Offered
+
+        self.workers = {w.pk: w for w in workers}
+        self.have = dict(zip(self.workers, have, strict=True))
+        self.offered = {pk: Offered() for pk in self.workers}
+        self.asked: dict[tuple[int, str], float] = {}  # free slot -> when it last asked
+
+    def slots(self, worker) -> list[str]:
+        return [kind for kind, can in (("eval", worker.can_eval), ("build", True)) if can]
+
+    def cost(self, worker_id: int, paths) -> tuple[int, int]:
+        from workers.simulator import missing_cost
+
+        return missing_cost(self.workers[worker_id].name, paths, self.have[worker_id])
+
+    def ask(self, worker_id: int, kinds: list[str]) -> None:
+        """The worker's RequestJobs for these free slots, as its session serves them."""
+        from workers import assignment, consumer
+
+        worker, offered = self.workers[worker_id], self.offered[worker_id]
+        head = consumer.read_head(worker, offered)
+        if head.offer is not None:
+            self.answer(worker_id, [(job.job_id, job.paths) for job in head.offer.jobs])
+        for kind in kinds:
+            if assignment.request_job(worker_id, kind, worker, head.singles[kind], offered.sizes):
+                raise RuntimeError("a single job was assigned, but the bench queues none")
+            self.asked[(worker_id, kind)] = time.monotonic()
+
+    def answer(self, worker_id: int, jobs) -> None:
+        """A JobScores for these (job key, paths), as the session records it."""
+        from workers import offers
+        from workers.protocol import Score
+
+        scores = [
+            Score(job_id=key, missing_count=c, missing_nar_size=s)
+            for key, paths in jobs
+            for c, s in [self.cost(worker_id, paths)]
+        ]
+        members = self.offered[worker_id].record(scores)
+        offers.record_scores(worker_id, members)
+
+    def stale(self) -> dict[int, list[str]]:
+        """Free slots whose last RequestJob is a heartbeat old, by worker."""
+        due = time.monotonic() - HEARTBEAT_SECS
+        out = defaultdict(list)
+        for (worker_id, kind), at in self.asked.items():
+            if at <= due:
+                out[worker_id].append(kind)
+        return out
+
+
+def make_fleet(count: int, rng: random.Random) -> Fleet:
+    from django.utils import timezone
+
+    from workers.models import Worker
+
+    now = timezone.now()
+    rows = Worker.objects.bulk_create(
+        Worker(
+            name=f"pl-{i}",
+            token_hash=f"{i:064x}",
+            architectures=["x86_64-linux"],
+            max_concurrent_builds=1,
+            max_concurrent_evals=0 if i % BUILD_ONLY_EVERY == BUILD_ONLY_EVERY - 1 else 1,
+            can_eval=i % BUILD_ONLY_EVERY != BUILD_ONLY_EVERY - 1,
+            can_build=True,
+            zone=ZONES[i % len(ZONES)],
+            channel_name=f"bench.placement!{i}",  # as if connected: the pass seats only those
+            connected_at=now,
+            last_seen_at=now,
+        )
+        for i in range(count)
+    )
+    return Fleet(rows, [rng.uniform(*HAVE) for _ in rows])
+
+
+class Queue:
+    """The clusters, created in bulk, and every member job's paths (what its JobOffer says)."""
+
+    POOL = [f"/nix/store/{i:032x}-placement-{i}" for i in range(PATH_POOL)]
+
+    def __init__(self, project, rng: random.Random):
+        self.project, self.rng = project, rng
+        self.paths: dict[str, list[str]] = {}  # job key -> paths
+
+    def add(self, count: int) -> None:
+        from clusters.models import ClusterJob, ClusterMember
+        from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
+
+        rng = self.rng
+        clusters = ClusterJob.objects.bulk_create(
+            ClusterJob(project=self.project, same_zone=rng.random() < SAME_ZONE_SHARE)
+            for _ in range(count)
+        )
+        shapes = [[rng.random() < EVAL_SHARE for _ in range(rng.randint(2, 4))] for _ in clusters]
+
+        def job(is_eval: bool):
+            paths = rng.sample(self.POOL, rng.randint(*PATHS_PER_JOB))
+            if is_eval:
+                return Evaluation(project=self.project, paths=paths)
+            return DerivationBuild(project=self.project, paths=paths, status=BuildStatus.QUEUED)
+
+        jobs = [job(is_eval) for shape in shapes for is_eval in shape]
+        self.paths.update((j.job_key, j.paths) for j in jobs)
+        Evaluation.objects.bulk_create(j for j in jobs if isinstance(j, Evaluation))
+        DerivationBuild.objects.bulk_create(j for j in jobs if isinstance(j, DerivationBuild))
+        members, at = [], iter(jobs)
+        for cluster, shape in zip(clusters, shapes, strict=True):
+            for is_eval in shape:
+                job = next(at)
+                how = {"evaluation": job} if is_eval else {"derivation_build": job}
+                members.append(ClusterMember(cluster_job=cluster, role="node", **how))
+        ClusterMember.objects.bulk_create(members, batch_size=5000)
+
+    def top_up(self, depth: int) -> None:
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(QUEUED_SQL)
+            queued = cursor.fetchone()[0]
+        if queued < depth:
+            self.add(depth - queued)
+
+
+# Clusters that could be placed: Queued and no open attempt (members all Queued in this bench).
+QUEUED_SQL = """
+SELECT count(*) FROM cluster_job c WHERE c.status = 'Queued'
+  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+"""
+
+# The seats of the open attempts of these clusters.
+SEATS_SQL = """
+SELECT a.cluster_job_id, d.id, d.worker_id, d.job_id, d.missing_nar_size
+FROM cluster_attempt a JOIN dispatched_job d ON d.cluster_attempt_id = a.id
+WHERE a.cluster_job_id = ANY(%s) AND a.finished_at IS NULL
+"""
+
+# Who had scored these jobs.
+SCORED_SQL = """
+SELECT job_id, array_agg(worker_id) FROM job_score
+WHERE job_id = ANY(%s) AND missing_nar_size IS NOT NULL GROUP BY job_id
+"""
+
+# The offers a pass made: rows without a score written since it began.
+OFFERED_SQL = """
+SELECT worker_id, array_agg(job_id) FROM job_score
+WHERE missing_nar_size IS NULL AND offered_at >= %s GROUP BY worker_id
+"""
+
+
+def full_scoring(fleet: Fleet, queue: Queue, snap, clusters: tuple) -> dict[int, int]:
+    """planner.plan() over the snapshot's workers and these clusters, in this order, with
+    every pair scored: each seated cluster's bytes."""
+    from clusters import planner
+
+    by_job = {
+        m.key: {w.id: fleet.cost(w.id, queue.paths[m.key])[1] for w in snap.workers}
+        for c in clusters
+        for m in c.members
+    }
+    reference = planner.Snapshot(
+        clusters=clusters, workers=snap.workers, score_arrays=planner.score_arrays(by_job)
+    )
+    return {p.cluster_id: p.cost for p in planner.plan(reference)}
+
+
+def measure(run: Run, fleet: Fleet, queue: Queue, snap, seats: dict, held: int, waiting: bool):
+    """One pass's figures: its claimed clusters' seats against full scoring, and how many of
+    the pairs that could seat them had a score (read before the pass's offers are answered)."""
+    from django.db import connection
+
+    from clusters import planner
+
+    clusters = tuple(c for c in snap.clusters if c.id in seats)  # in the pass's order
+    # Full scoring plans the book as the pass did, the clusters it held included (they kept
+    # their seats in the pass too), up to the last one claimed: those after it cannot change
+    # what the planner gives the ones before.
+    last = max((i for i, c in enumerate(snap.clusters) if c.id in seats), default=-1)
+    reference = full_scoring(fleet, queue, snap, snap.clusters[: last + 1])
+    in_snapshot = {w.id for w in snap.workers}
+    figures = Pass(held=held, waiting=waiting)
+    with connection.cursor() as cursor:
+        cursor.execute(SCORED_SQL, [[m.key for c in clusters for m in c.members]])
+        scored = {key: set(workers) for key, workers in cursor.fetchall()}
+    for c in clusters:
+        for member, able in zip(c.members, planner.eligible(c.members, snap.workers), strict=True):
+            figures.pairs += len(able)
+            figures.scored_pairs += len(able & scored.get(member.key, set()))
+    for cluster_id, rows in seats.items():
+        if cluster_id not in reference:
+            figures.unseated += 1
+            continue
+        figures.placements += 1
+        figures.reference += reference[cluster_id]
+        for _, worker_id, key, recorded in rows:
+            size = fleet.cost(worker_id, queue.paths[key])[1]
+            figures.chosen += size
+            figures.seats += 1
+            figures.unscored += recorded is None
+            run.mismatched += recorded is not None and recorded != size
+            run.outside += worker_id not in in_snapshot
+    run.passes.append(figures)
+
+
+class Running:
+    """The claimed clusters, accepted and running until their end."""
+
+    def __init__(self, job_passes: tuple[int, int], rng: random.Random):
+        self.job_passes, self.rng = job_passes, rng
+        self.ends: list[tuple[int, list]] = []  # (the tick it ends at, seat rows)
+
+    def start(self, seats: dict[int, list], now: int) -> None:
+        from workers import reports
+
+        for rows in seats.values():
+            for _, worker_id, key, _ in rows:
+                reports.job_accepted(worker_id, key)  # the last one starts the attempt
+            self.ends.append((now + self.rng.randint(*self.job_passes), rows))
+
+    def finish_due(self, now: int) -> dict[int, list[str]]:
+        """JobCompleted from every seat of the clusters whose run ended; the slots freed."""
+        from workers import reports
+
+        due = [rows for end, rows in self.ends if end <= now]
+        self.ends = [(end, rows) for end, rows in self.ends if end > now]
+        freed = defaultdict(list)
+        for rows in due:
+            for assignment, worker_id, key, _ in rows:
+                reports.job_completed(worker_id, key, str(assignment))
+                freed[worker_id].append(key.partition(":")[0])
+        return freed
+
+
+def tick(run: Run, fleet: Fleet, queue: Queue, running: Running, measuring: bool) -> None:
+    from django.db import connection
+    from django.utils import timezone
+
+    from clusters import dispatch, reservation
+    from clusters.tracking import startable_clusters
+
+    asking = fleet.stale()
+    for worker_id, kinds in running.finish_due(run.ticks).items():
+        asking[worker_id] += kinds
+    for worker_id, kinds in asking.items():
+        fleet.ask(worker_id, kinds)
+    queue.top_up(run.depth)
+    began = timezone.now()
+    snap = dispatch.snapshot(startable_clusters(began), began, reservation.reserved_workers())
+    started = time.perf_counter()
+    result = dispatch.run_pass()
+    run.pass_secs.append(time.perf_counter() - started)
+    with connection.cursor() as cursor:
+        cursor.execute(OFFERED_SQL, [began])
+        offers = cursor.fetchall()
+        cursor.execute("SELECT id FROM cluster_job WHERE offered_at >= %s", [began])
+        offered = {row[0] for row in cursor.fetchall()}
+        seats = defaultdict(list)
+        if result.claimed:
+            cursor.execute(SEATS_SQL, [result.claimed])
+            for cluster_id, *row in cursor.fetchall():
+                seats[cluster_id].append(row)
+    if measuring:
+        held = len(offered - set(result.claimed))
+        measure(run, fleet, queue, snap, seats, held, result.waiting_for_scores)
+    for worker_id, keys in offers:
+        fleet.answer(worker_id, [(key, queue.paths[key]) for key in keys])
+    for rows in seats.values():
+        for _, worker_id, key, _ in rows:
+            fleet.asked.pop((worker_id, key.partition(":")[0]), None)  # seated: not free
+    running.start(seats, run.ticks)
+    run.ticks += 1
+
+
+def vacuum() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM ANALYZE {', '.join(common.project_tables())}")
+
+
+def run_one(depth: int, args) -> Run:
+    from gradient.jobs.models import Project
+
+    started = time.monotonic()
+    common.ensure_database()
+    common.flush_redis(os.environ["REDIS_URL"])
+    rng = random.Random(SEED)
+    fleet = make_fleet(args.workers, rng)
+    queue = Queue(Project.objects.create(name="placement"), rng)
+    queue.top_up(depth)
+    common.analyze()
+    for worker in fleet.workers.values():
+        fleet.ask(worker.pk, fleet.slots(worker))
+    running = Running(args.job_passes, rng)
+    run = Run(depth, args.workers)
+    vacuumed = time.monotonic()
+    while run.ticks < args.warmup + args.passes:
+        began = time.monotonic()
+        if began - vacuumed >= VACUUM_SECS:
+            vacuum()
+            vacuumed = began
+        tick(run, fleet, queue, running, measuring=run.ticks >= args.warmup)
+        time.sleep(max(0.0, args.tick - (time.monotonic() - began)))
+    run.load = common.load()
+    common.flush_redis(os.environ["REDIS_URL"])
+    run.wall = time.monotonic() - started
+    print(f"  {depth:,} queued, {run.workers} workers: " + ", ".join(map(str, row(run)[2:])))
+    return run
+
+
+def ratios(run: Run) -> list[float]:
+    """Per pass that placed something: its chosen bytes over full scoring's (1 when both are
+    nothing; a pass where only full scoring fetched nothing has no ratio)."""
+    return [
+        p.chosen / p.reference if p.reference else 1.0
+        for p in run.passes
+        if p.placements and (p.reference or not p.chosen)
+    ]
+
+
+def totals(run: Run) -> dict:
+    out = {name: sum(getattr(p, name) for p in run.passes) for name in vars(Pass())}
+    out["placing"] = sum(bool(p.placements) for p in run.passes)
+    out["ratio"] = out["chosen"] / out["reference"] if out["reference"] else float("nan")
+    return out
+
+
+HEADER = [
+    "queued clusters",
+    "workers",
+    "passes (placing)",
+    "placements / seats",
+    "chosen GiB",
+    "full scoring GiB",
+    "chosen / full",
+    "per pass median / p95",
+    "unscored seats",
+    "pairs scored",
+    "held for scores (clusters / passes)",
+    "pass median s",
+    "wall s",
+    "load",
+    f"≤ {TARGET:g} x full scoring",
+]
+
+
+def row(run: Run) -> list:
+    t, r = totals(run), ratios(run)
+    gib = 1 << 30
+    return [
+        f"{run.depth:,}",
+        run.workers,
+        f"{len(run.passes)} ({t['placing']})",
+        f"{t['placements']:,} / {t['seats']:,}",
+        f"{t['chosen'] / gib:,.0f}",
+        f"{t['reference'] / gib:,.0f}",
+        f"{t['ratio']:.3f}",
+        f"{statistics.median(r):.3f} / {common.percentile(r, 95):.3f}" if r else "-",
+        f"{t['unscored'] / max(t['seats'], 1):.1%}",
+        f"{t['scored_pairs'] / max(t['pairs'], 1):.1%}",
+        f"{t['held']:,} / {t['waiting']}",
+        f"{statistics.median(run.pass_secs):.3f}",
+        f"{run.wall:.0f}",
+        run.load,
+        "yes" if t["ratio"] <= TARGET else "**no**",
+    ]
+
+
+def section(command: str, runs: list[Run], args) -> str:
+    odd = sum(r.outside + r.mismatched for r in runs)
+    unseated = sum(totals(r)["unseated"] for r in runs)
+    lo, hi = args.job_passes
+    return (
+        f"{SECTION}\n\n"
+        "Issue #18's placement quality: on a deep queue, the bytes the seats chosen by the"
+        " dispatch pass must fetch, against the planner's cheapest seating of the same clusters"
+        " with every pair scored on the same snapshot (see `bench/placement.py`).\n\n"
+        "- Stack: the real code in one process, no daphne or Celery; a database and Redis"
+        " database 14 of its own, Channels' in-memory layer, worker rows as if connected.\n"
+        f"- Fleet: {args.workers} workers in zones a/b/c, one in {BUILD_ONLY_EVERY} build-only,"
+        f" one slot per kind. Each holds {HAVE[0]:.0%} to {HAVE[1]:.0%} of a pool of"
+        f" {PATH_POOL:,} store paths; scores come from the reference worker's `missing_cost`.\n"
+        f"- Queue: clusters of 2 to 4 members ({EVAL_SHARE:.0%} evaluations, a third"
+        f" same_zone), each job {PATHS_PER_JOB[0]} to {PATHS_PER_JOB[1]} paths; topped up to"
+        " the depth before every pass.\n"
+        f"- A tick: clusters that ran {lo} to {hi} passes report JobCompleted. Each freed"
+        f" slot, and each free one every {HEARTBEAT_SECS} s, asks as its session would"
+        " (`read_head`, the JobOffer answered, `request_job`). Then `run_pass()`; its JobOffers"
+        " are answered at once, its seats accept.\n"
+        "- Full scoring: `planner.plan()` over `dispatch.snapshot()` taken just before the pass"
+        " (its workers, its book in order up to the last cluster claimed, held ones included,"
+        " as the pass keeps their seats too), every pair scored; compared on the clusters the"
+        " pass claimed.\n"
+        "- Unscored seats: claimed without a score. Pairs scored: of the (idle worker, member)"
+        " pairs that could seat the claimed clusters, those with a score at the pass. Held:"
+        " clusters a pass offered and did not claim / passes that held some.\n"
+        f"- {args.passes} passes measured per depth after {args.warmup} of warm-up. VACUUM"
+        f" ANALYZE every {VACUUM_SECS} s: autovacuum is off on this server.\n"
+        f"- Checks: seats off the snapshot, or whose recorded score is not the scorer's: {odd};"
+        f" claimed clusters that full scoring could not seat (left out): {unseated}.\n"
+        f"- Target (issue #18): chosen bytes at most {TARGET:g} x full scoring's on the deep"
+        " queue.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
+        " (load average in the table)\n\n" + common.table(HEADER, [row(r) for r in runs]) + "\n"
+    )
+
+
+def passes_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=DATABASE_URL)
+    parser.add_argument("--depths", default="200,2000", help="queued clusters, one run each")
+    parser.add_argument("--workers", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10, help="passes before measuring")
+    parser.add_argument("--passes", type=int, default=25, help="passes measured per depth")
+    parser.add_argument("--tick", type=float, default=0.5, help="seconds between passes at least")
+    parser.add_argument(
+        "--job-passes", type=passes_range, default=(3, 10), metavar="LO-HI", help="a run's length"
+    )
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    depths = [int(n) for n in args.depths.split(",")]
+    command = shlex.join([".venv/bin/python", "bench/placement.py", *sys.argv[1:]])
+    common.setup(args.database, REDIS_DB)
+    from channels.layers import channel_layers
+    from django.conf import settings
+
+    # Nothing listens on the workers' groups: the bench reads what the pass wrote instead.
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    logging.getLogger("clusters").setLevel(logging.WARNING)  # a line per claim is noise here
+    print(command, flush=True)
+    runs = [run_one(depth, args) for depth in depths]
+    common.finish(
+        HEADER,
+        [row(r) for r in runs],
+        args.write,
+        SECTION,
+        lambda: section(command, runs, args),
+        crashed=any(r.outside or r.mismatched for r in runs),  # the bench misread the pass
+    )
+
+
+if __name__ == "__main__":
+    main()
