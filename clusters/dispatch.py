@@ -341,6 +341,7 @@ def run_pass(wait: bool = False) -> PassResult:
             # Other clusters plan over the unreserved idle workers.
             seen = snapshot(ready, now, reservation.reserved_workers(), stream=True)
             asking = Asking(ready, seen.workers, now)
+            asking.ask_new()
             try:
                 ready_to_claim = filter(asking.ready, planner.placements(seen))
                 placed, claimed = _claim_all(ready_to_claim, rows, since)
@@ -415,14 +416,20 @@ def wake_dispatch() -> bool:
     return True
 
 
+DUE_KEY = "gradient:dispatch:due"
+
+
 def run_at(when) -> None:
-    """Queue a pass for `when` (the clusters held for their scores are placed by then, answered
-    or not). Best effort: the periodic pass makes up for a lost one."""
+    """Queue a pass for `when` (the clusters held for their scores are placed by then,
+    answered or not), unless one is queued for about then already: every pass that holds a
+    cluster asks for one, and a queue of them would run back to back, each waiting for the
+    lock. Best effort: the periodic pass makes up for a lost one."""
     from clusters.tasks import dispatch
 
     try:
         delay = max(0.0, (when - timezone.now()).total_seconds())
-        dispatch.apply_async(kwargs={"woken": True}, countdown=delay)
+        if _client().set(DUE_KEY, 1, nx=True, px=max(1, int(delay * 1000))):
+            dispatch.apply_async(kwargs={"woken": True}, countdown=delay)
     except Exception:
         log.warning("could not queue the dispatch pass", exc_info=True)
 

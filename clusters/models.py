@@ -96,8 +96,9 @@ class ClusterJob(models.Model):
     waiting_since = models.DateTimeField(null=True, blank=True, editable=False)
     # Placed before other clusters: set at submission when any member job is prioritized.
     prioritized = models.BooleanField(default=False, db_default=False)
-    # When the dispatch pass first offered its members to the idle workers that could seat
-    # them; it is placed once they answered, or GRADIENT_SCORE_WAIT_MS after (clusters.asking).
+    # When the dispatch pass began its latest round of asking the idle workers that could seat
+    # its members for their scores; it is placed once they answered, or GRADIENT_SCORE_WAIT_MS
+    # after (clusters.asking).
     offered_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:

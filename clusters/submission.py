@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from django.db import transaction
 
+from clusters.dispatch import wake_dispatch
 from clusters.models import ClusterJob, ClusterMember
 from gradient.jobs.models import JobKind, Project
 from gradient.jobs.submission import (
@@ -142,6 +143,8 @@ def submit_cluster(
             )
             for m, job in zip(members, jobs, strict=True)
         )
+        # A pass at once asks the idle workers that could seat it for their scores.
+        transaction.on_commit(wake_dispatch)
     return cluster, rows
 
 

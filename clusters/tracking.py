@@ -270,11 +270,11 @@ MEMBER_ORDER = "h.prioritized DESC, h.created_at ASC, h.cluster ASC, h.role, h.m
 MEMBER_PART = "SELECT key, kind, project, architecture, required_features, paths FROM ({part}) x"
 
 
-def member_head_parts(worker) -> list[str]:
+def member_head_parts(worker, kinds=JobKind.values) -> list[str]:
     """The members' parts of each kind's head this worker could seat; a member evaluation
     always runs as one job, so a fetch-only worker has none of that kind."""
     parts = []
-    for how in (offerable(worker, kind) for kind in JobKind.values):
+    for how in (offerable(worker, kind) for kind in kinds):
         if how is None or how.fetch_only:
             continue
         table, prefix = job_table(how.kind)

@@ -5,6 +5,7 @@ their answers, or GRADIENT_SCORE_WAIT_MS after the offers for a silent one."""
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob
@@ -116,8 +117,8 @@ def test_with_no_score_wait_a_new_cluster_is_placed_at_once_and_nobody_is_asked(
     assert {f["type"] for f in frames} == {"AssignJob"}
 
 
-def test_an_idle_fleet_is_asked_a_window_of_seats_per_member_from_every_zone(settings):
-    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
+def test_an_idle_fleet_is_asked_two_windows_of_seats_per_member_from_every_zone(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
     workers = idle_workers(10, kinds=("build",), zone="a") + idle_workers(
         10, kinds=("build",), zone="b"
     )
@@ -128,3 +129,56 @@ def test_an_idle_fleet_is_asked_a_window_of_seats_per_member_from_every_zone(set
     )
     assert sorted(w.zone for w in asked) == ["a", "a", "b", "b"]
     assert len(workers) == 20
+
+
+def test_a_cluster_is_asked_again_of_seats_that_came_free_since_in_rounds(settings):
+    """Seats that came free after a cluster was asked never scored it (it is past their own
+    heads): the pass asks them when it would place it there, and holds it for them, but only
+    a score wait from the start of a round, the next round a score wait after the last."""
+    first = idle_workers(1, kinds=("build",))[0]
+    cluster = cluster_of_builds(1)
+    run_pass()
+    answer(first, cluster, 10)
+    round_began = ClusterJob.objects.get(pk=cluster.pk).offered_at
+    late = idle_workers(1, kinds=("build",))[0]
+
+    def asked_late():
+        return JobScore.objects.filter(worker=late, job_id__in=keys(cluster)).exists()
+
+    # In the round (60 s wait): the late seat is asked, and the cluster waits for it.
+    assert run_pass().claimed == [] and asked_late()
+    JobScore.objects.filter(worker=late).delete()  # as if that seat's offer was never made
+    # Past the round, before the next may begin: placed at once on the scores there are.
+    ClusterJob.objects.filter(pk=cluster.pk).update(offered_at=round_began - timedelta(seconds=90))
+    Worker.objects.filter(pk=late.pk).update(channel_name="live")
+    result = run_pass()
+    assert result.claimed == [cluster.pk] and not asked_late()
+
+
+def test_a_new_round_of_asking_holds_the_cluster_again(settings):
+    first = idle_workers(1, kinds=("build",))[0]
+    cluster = cluster_of_builds(1)
+    run_pass()
+    answer(first, cluster, 10)
+    ClusterJob.objects.filter(pk=cluster.pk).update(
+        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=121)
+    )
+    idle_workers(1, kinds=("build",))
+    assert run_pass().claimed == []  # a new round: the late seat is waited for
+    assert ClusterJob.objects.get(pk=cluster.pk).offered_at > timezone.now() - timedelta(seconds=5)
+
+
+def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
+    """Its scores are in by the time its last seat comes free, so that seat's idle slot
+    places it in one pass."""
+    early = idle_workers(1, kinds=("build",))[0]
+    cluster = cluster_of_builds(2)
+    assert run_pass().claimed == []  # one seat of two: no placement yet, but asked
+    assert JobScore.objects.filter(worker=early, job_id__in=keys(cluster)).count() == 2
+    answer(early, cluster, 10)
+    last = idle_workers(1, kinds=("build",))[0]
+    answer(last, cluster, 20)  # as its RequestJob's offer of its head had it answered
+    ClusterJob.objects.filter(pk=cluster.pk).update(
+        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=121)
+    )
+    assert run_pass().claimed == [cluster.pk]

@@ -214,3 +214,15 @@ def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
         read = {name: rows for name, rows in head_walks(call).items() if rows}
         assert set(read) == walks, read
         assert all(rows <= 32 + 1 for rows in read.values()), read
+
+
+def test_a_request_is_offered_the_head_of_its_own_kind():
+    worker, memory = WorkerFactory(), offers.Offered()
+    build, evaluation = BuildFactory(), EvaluationFactory()
+    worker.refresh_from_db()
+    head = offers.offer_head(worker, memory, tracking_parts(worker), kinds=("build",))
+    assert [j.job_id for j in head.offer.jobs] == [build.job_key]
+    assert memory.sizes == {build.job_key: None}
+    head = offers.offer_head(worker, memory, tracking_parts(worker), kinds=("eval",))
+    assert [j.job_id for j in head.offer.jobs] == [evaluation.job_key]
+    assert set(memory.sizes) == {build.job_key, evaluation.job_key}  # the build is kept

@@ -125,12 +125,13 @@ def test_a_request_with_nothing_to_give():
 
 @pytest.mark.django_db
 def test_an_offer_leaves_out_what_the_worker_was_offered_before():
-    project, worker = ProjectFactory(), WorkerFactory()
-    first = queued("build", project)
+    # No room for an evaluation: each request is offered the head and given nothing.
+    project, worker = ProjectFactory(), WorkerFactory(max_concurrent_evals=0)
+    first = queued("eval", project)
     offered = Offered()  # the session's memory of the single jobs it offered
-    offer, _ = answer_request(worker, "eval", offered)  # eval: the build stays queued
+    offer, _ = answer_request(worker, "eval", offered)
     assert [j.job_id for j in offer.jobs] == [first.job_key]
-    second = queued("build", project)
+    second = queued("eval", project)
     offer, _ = answer_request(worker, "eval", offered)
     assert [j.job_id for j in offer.jobs] == [second.job_key]
 

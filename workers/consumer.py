@@ -21,6 +21,7 @@ from clusters import coordinator, tracking
 from clusters.dispatch import wake_dispatch
 from gradient import metrics
 from gradient.errors import NotAllowed
+from gradient.jobs.models import JobKind
 from gradient.logs import ids
 from workers import assignment, connection, offers, reports
 from workers.frame_queue import FrameQueue
@@ -185,9 +186,11 @@ def session_starts() -> Starts:
     return _starts[loop]
 
 
-def read_head(worker, offered: offers.Offered) -> offers.Head:
-    """The worker's head, with the JobOffer of what it was not offered on this connection."""
-    return offers.offer_head(worker, offered, tracking.member_head_parts(worker))
+def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
+    """The worker's head of these kinds, with the JobOffer of what it was not offered on this
+    connection. A RequestJob reads its own kind's: what it scores is what the answer uses."""
+    parts = tracking.member_head_parts(worker, kinds)
+    return offers.offer_head(worker, offered, parts, kinds)
 
 
 def answer_request(worker_id: int, kind: str, worker=None, head=None, sizes=None):
@@ -204,7 +207,7 @@ def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
     None), with no wait for the scores in between; a session waits for them."""
     worker = worker or Worker.objects.get(pk=worker_id)
     offered = offered if offered is not None else offers.Offered()
-    head = read_head(worker, offered)
+    head = read_head(worker, offered, (kind,))
     return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)
 
 
@@ -449,7 +452,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             if self.awaiting.count(request.kind) < self.slots.get(request.kind, 0):
                 self.awaiting.append(request.kind)
             return
-        self.head = await db(read_head)(self.worker, self.offered)
+        self.head = await db(read_head)(self.worker, self.offered, (request.kind,))
         wait = settings.GRADIENT["SCORE_WAIT_MS"] / 1000
         if self.head.offer is not None:
             await self.reply(self.head.offer)

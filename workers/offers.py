@@ -44,6 +44,7 @@ members AS ({members}),
 dropped AS (
     DELETE FROM job_score s
     WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM members))
+      AND split_part(s.job_id, ':', 1) = ANY(%(kinds)s::text[])
       AND coalesce(s.scored_at, s.offered_at) < %(settled)s
 ),
 fresh AS (
@@ -85,10 +86,16 @@ class Offered:
     def __init__(self):
         self.sizes: dict[str, int | None] = {}
 
-    def fresh(self, head: list[HeadJob]) -> list[HeadJob]:
-        """The jobs of the head not offered yet, now counted as offered; the others forgotten."""
+    def fresh(self, head: list[HeadJob], kinds=JobKind.values) -> list[HeadJob]:
+        """The jobs of the head (of these kinds) not offered yet, now counted as offered; the
+        others of those kinds forgotten."""
         at_head = {job.key for job in head}
-        self.sizes = {key: size for key, size in self.sizes.items() if key in at_head}
+        read = tuple(f"{kind}:" for kind in kinds)
+        self.sizes = {
+            key: size
+            for key, size in self.sizes.items()
+            if key in at_head or not key.startswith(read)
+        }
         new = [job for job in head if job.key not in self.sizes]
         self.sizes.update((job.key, None) for job in new)
         return new
@@ -114,20 +121,23 @@ class Head:
             self.singles[job.kind].append(job)
 
 
-def singles_parts(worker: Worker) -> list[str]:
+def singles_parts(worker: Worker, kinds=JobKind.values) -> list[str]:
     """The single jobs' part of each kind's head this worker can serve."""
     archs = len(worker.architectures)
-    return [singles_sql(how, archs) for kind in JobKind.values if (how := offerable(worker, kind))]
+    return [singles_sql(how, archs) for kind in kinds if (how := offerable(worker, kind))]
 
 
-def offer_head(worker: Worker, offered: Offered | None = None, member_parts=()) -> Head:
-    """Read the worker's head and offer it the jobs it has not been offered on this connection
-    (`offered` remembers the single jobs; without it, every single job counts as new).
-    `member_parts` are the members' parts (clusters.tracking.member_head_parts)."""
+def offer_head(
+    worker: Worker, offered: Offered | None = None, member_parts=(), kinds=JobKind.values
+) -> Head:
+    """Read the worker's head of these kinds and offer it the jobs it has not been offered on
+    this connection (`offered` remembers the single jobs; without it, every single job counts
+    as new). `member_parts` are the members' parts of those kinds
+    (clusters.tracking.member_head_parts)."""
     offered = offered if offered is not None else Offered()
     if worker.draining:
         return Head([], None)
-    singles = singles_parts(worker)
+    singles = singles_parts(worker, kinds)
     members = list(member_parts) or [NO_MEMBERS]
     sql = OFFER_SQL.format(
         singles=" UNION ALL ".join(f"({part})" for part in singles) if singles else NO_SINGLES,
@@ -135,10 +145,11 @@ def offer_head(worker: Worker, offered: Offered | None = None, member_parts=()) 
     )
     with db_connection.cursor() as cursor:
         now = timezone.now()
-        cursor.execute(sql, {**platform_params(worker), "now": now, "settled": now - SETTLE})
+        params = {"now": now, "settled": now - SETTLE, "kinds": list(kinds)}
+        cursor.execute(sql, {**platform_params(worker), **params})
         singles_json, members_json = cursor.fetchone()
     head = [_head_job(row) for row in json.loads(singles_json)]
-    new = [job.offered() for job in offered.fresh(head)]
+    new = [job.offered() for job in offered.fresh(head, kinds)]
     items = ([json.dumps(new)[1:-1]] if new else []) + (
         [members_json[1:-1]] if members_json != "[]" else []
     )
