@@ -9,8 +9,9 @@ each pair is offered once per connection whichever process offers it.
 - A pass asks for the clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in
   the planner's order), each member of at most two windows of its idle seats; a new cluster
   beyond the head waits for a later pass.
-- A cluster is asked again whenever it is placed with idle seats that never scored it (they
-  came free since, and it is past their own heads), in rounds: a round holds it the score
+- A cluster asked before is asked again only when its placement would seat a member on a
+  worker that never scored it (the seats that scored it are taken, and the others came free
+  since, past their own heads), in rounds: a round holds it the score
   wait at most from its start (cluster_job.offered_at), and the next may begin a score wait
   after the last ended, so that a cluster is always placed in time however often seats come
   free.
@@ -23,6 +24,7 @@ from itertools import zip_longest
 
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 
 from clusters import planner
 from clusters.tracking import StartableCluster
@@ -95,9 +97,10 @@ class Asking:
         for cluster in self.book.values():
             if self.began[cluster.id] is None:
                 if not self._fits(cluster):
-                    return
+                    break
                 if self._ask(cluster):
                     self._count(cluster)
+        self._send()  # before planning: the seats score while the pass plans
 
     def ready(self, placement: planner.Placement) -> bool:
         cluster = self.book[placement.cluster_id]
@@ -108,6 +111,8 @@ class Asking:
             self._hold(self.now)  # asked by a later pass, once the head has room
             return False
         open_round = began is not None and self.now - began < score_wait()
+        if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
+            return True  # asked before and every seat chosen has its score: no blind seat
         may_ask = open_round or began is None or self.now - began >= 2 * score_wait()
         asked = cluster.id in self.asked or (may_ask and self._fits(cluster) and self._ask(cluster))
         began = self.began[cluster.id]
@@ -142,9 +147,13 @@ class Asking:
             self.left -= Counter(m.kind for m in cluster.members)
 
     def finish(self) -> None:
-        """Send this pass's offers, one JobOffer per worker, and go on while they are sent (a
-        frame is a Redis round trip or three: sent per cluster and waited for, they made a
-        busy fleet's passes several times slower); record when the clusters were offered."""
+        """Send the offers made while planning and record their rounds."""
+        self._send()
+
+    def _send(self) -> None:
+        """One JobOffer per worker, not waited for (a frame is a Redis round trip or three:
+        waited for per cluster, they made a busy fleet's passes several times slower); then
+        when each round began."""
         if self.items:
             send_frames(
                 [
@@ -156,9 +165,16 @@ class Asking:
                 # caller's transaction, as in tests, sent before the pass returns.)
                 wait=connection.in_atomic_block,
             )
+            self.items.clear()
         if self.rounds:
+            # A round runs from when its offers left, not from the pass's start: a slow pass
+            # would otherwise spend its seats' score wait before they were asked.
+            sent = timezone.now()
             with connection.cursor() as cursor:
-                cursor.execute(MARK_SQL, {"now": self.now, "clusters": int_array(self.rounds)})
+                cursor.execute(MARK_SQL, {"now": sent, "clusters": int_array(self.rounds)})
+            self.rounds.clear()
+            if self.due is not None:
+                self.due += sent - self.now
 
     def _hold(self, offered_at: datetime) -> None:
         due = offered_at + score_wait()

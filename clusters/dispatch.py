@@ -250,7 +250,10 @@ def claim_placements(placements: tuple[planner.Placement, ...], rows: dict, sinc
             frames += _frames(placement, claim, members)
             claimed.add(placement.cluster_id)
     if frames:
-        send_frames(frames)
+        # Not waited for: the claims are committed, and a claimer thread waiting on its
+        # sends would hold the next batch back. (In a caller's transaction, as in tests, sent
+        # before this returns.)
+        send_frames(frames, wait=connection.in_atomic_block)
     return claimed
 
 

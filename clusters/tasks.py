@@ -1,12 +1,13 @@
 """Thin Celery wrappers around the passes."""
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
 from clusters.dispatch import clear_wake, run_pass
 from clusters.recovery import recover
 from clusters.retention import run_retention
 from gradient import heap
+from workers.groups import drain_sends
 
 
 @shared_task(name="clusters.dispatch", ignore_result=True)
@@ -33,7 +34,20 @@ def recover_at_start(**_):
     recover_clusters.delay()
 
 
+@worker_init.connect
+def load_solver(**_):
+    # scipy.optimize takes about a second to import (clusters.matching imports it lazily):
+    # once here, before the pool forks, rather than in each pool process's first pass.
+    import scipy.optimize  # noqa: F401
+
+
 @worker_process_init.connect
 def settle_heap(**_):
     # Each pool process, once forked with the tasks' modules loaded.
     heap.settle()
+
+
+@worker_process_shutdown.connect
+def finish_sends(**_):
+    # A pass sends its frames without waiting for them: let them leave before the exit.
+    drain_sends(5.0)

@@ -13,7 +13,7 @@ from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory
 from workers import offers
-from workers.models import JobScore, Worker
+from workers.models import IdleSlot, JobScore, Worker
 from workers.protocol import Score
 
 pytestmark = pytest.mark.django_db
@@ -155,17 +155,35 @@ def test_a_cluster_is_asked_again_of_seats_that_came_free_since_in_rounds(settin
     assert result.claimed == [cluster.pk] and not asked_late()
 
 
-def test_a_new_round_of_asking_holds_the_cluster_again(settings):
+def past_its_round(cluster):
+    ClusterJob.objects.filter(pk=cluster.pk).update(
+        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=121)
+    )
+
+
+def test_a_placement_that_would_use_a_seat_never_scored_begins_a_new_round():
     first = idle_workers(1, kinds=("build",))[0]
     cluster = cluster_of_builds(1)
     run_pass()
     answer(first, cluster, 10)
-    ClusterJob.objects.filter(pk=cluster.pk).update(
-        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=121)
-    )
-    idle_workers(1, kinds=("build",))
-    assert run_pass().claimed == []  # a new round: the late seat is waited for
+    past_its_round(cluster)
+    IdleSlot.objects.filter(worker=first).delete()  # the seat that scored it went busy
+    late = idle_workers(1, kinds=("build",))[0]
+    assert run_pass().claimed == []  # a new round: the late seat is asked and waited for
     assert ClusterJob.objects.get(pk=cluster.pk).offered_at > timezone.now() - timedelta(seconds=5)
+    assert JobScore.objects.filter(worker=late, job_id__in=keys(cluster)).count() == 1
+
+
+def test_a_placement_on_scored_seats_after_its_round_is_not_held_again():
+    first = idle_workers(1, kinds=("build",))[0]
+    cluster = cluster_of_builds(1)
+    run_pass()
+    answer(first, cluster, 10)
+    past_its_round(cluster)
+    late = idle_workers(1, kinds=("build",))[0]  # came free since, never scored it
+    assert run_pass().claimed == [cluster.pk]
+    assert seated(cluster) == {first.pk}
+    assert not JobScore.objects.filter(worker=late, job_id__in=keys(cluster)).exists()
 
 
 def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
@@ -178,7 +196,5 @@ def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
     answer(early, cluster, 10)
     last = idle_workers(1, kinds=("build",))[0]
     answer(last, cluster, 20)  # as its RequestJob's offer of its head had it answered
-    ClusterJob.objects.filter(pk=cluster.pk).update(
-        offered_at=ClusterJob.objects.get(pk=cluster.pk).offered_at - timedelta(seconds=121)
-    )
+    past_its_round(cluster)
     assert run_pass().claimed == [cluster.pk]

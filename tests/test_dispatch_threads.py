@@ -15,6 +15,7 @@ from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
+from workers.groups import drain_sends
 from workers.models import JobScore
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,6 +70,7 @@ def test_a_pass_on_its_threads_claims_what_the_planner_alone_places():
     expected = planner.plan(snapshot(startable_clusters(now), now))
     assert len(expected) == count
     result = run_pass()
+    drain_sends()  # the pass sends its AssignJobs without waiting for them
     assert result.claimed == [p.cluster_id for p in expected]  # in the planner's order
     seated = dict(DispatchedJob.objects.values_list("job_id", "worker_id"))
     assert seated == {s.member.key: s.worker.id for p in expected for s in p.seats}

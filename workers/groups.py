@@ -2,6 +2,7 @@
 on the Channels layer."""
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -32,12 +33,27 @@ class _SenderLoop:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pid = 0
+        self._pending: set[concurrent.futures.Future] = set()
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._get()).result(SEND_TIMEOUT_SECS)
 
     def submit(self, coro) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self._get())
+        future = asyncio.run_coroutine_threadsafe(coro, self._get())
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def drain(self, timeout: float = SEND_TIMEOUT_SECS) -> None:
+        """Wait for the sends submitted so far (a process about to exit, a test reading what
+        a pass sent)."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout)
 
     def _get(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -50,6 +66,11 @@ class _SenderLoop:
 
 
 _sender = _SenderLoop()
+
+
+def drain_sends(timeout: float = SEND_TIMEOUT_SECS) -> None:
+    """Wait for this process's sends that were not waited for."""
+    _sender.drain(timeout)
 
 
 def _session_loop() -> asyncio.AbstractEventLoop | None:
