@@ -437,8 +437,8 @@ def run_facts(command: str, load: str) -> list[str]:
 
 def section_text(title: str, lead: str, method: list[str], facts: list[str], body: str) -> str:
     """A section: its title, one sentence of what it measures, the method's bullets, the run's
-    facts, then its table."""
-    parts = [title, paragraph(lead), bullets(method), bullets(facts), body]
+    facts (a list of their own), then its table."""
+    parts = [title, paragraph(lead), bullets(method), "The run:", bullets(facts), body]
     return "\n\n".join(parts) + "\n"
 
 
@@ -469,7 +469,7 @@ class Figure:
     figure: str
     target: str
     result: str
-    met: bool | None  # None: not measured
+    met: bool | None  # None: not measured (its result says so)
 
 
 def anchor(title: str) -> str:
@@ -479,7 +479,7 @@ def anchor(title: str) -> str:
 
 
 def summary_row(bench: str, title: str, figure: Figure) -> list[str]:
-    met = {True: "yes", False: "**no**", None: "not measured"}[figure.met]
+    met = {True: "yes", False: "**no**", None: "-"}[figure.met]
     link = f"[{figure.figure}]({anchor(title)})"
     return [link, figure.target, figure.result, met, f"`bench/run {bench}`"]
 
@@ -508,7 +508,8 @@ def merge_rows(rows: list[list[str]], bench: str, new: list[list[str]]) -> list[
 def with_summary(text: str, rows: list[list[str]]) -> str:
     """`text` with its summary section holding `rows`: replaced where it is, or put before
     the first section."""
-    summary = f"{SUMMARY}\n\n{paragraph(SUMMARY_LEAD)}\n\n{table(SUMMARY_HEADER, rows)}\n"
+    rows_text = table(SUMMARY_HEADER, rows, align=":---")
+    summary = f"{SUMMARY}\n\n{paragraph(SUMMARY_LEAD)}\n\n{rows_text}\n"
     pattern = _section_pattern(SUMMARY)
     if pattern.search(text):
         return pattern.sub(lambda _: summary + "\n", text, count=1)
@@ -566,8 +567,9 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split(" | ")]
 
 
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+def table(header: list[str], rows: list[list], align: str = "---:") -> str:
+    """A markdown table, its columns right-aligned (figures) unless `align` says otherwise."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
