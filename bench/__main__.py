@@ -7,6 +7,11 @@ retention (default: all, in that order). Each runs as its own process (`.venv/bi
 bench/<script>.py ... --write DOC`), with the command that its section then quotes; a failing
 one is reported and the rest still run. Exits non-zero when any failed. The machine should be
 quiet: the figures move with the load average, which each section records.
+
+A new benchmark is a script here and a NAME in BENCHES. If its figures have targets, it returns
+them as `_common.Figure` rows and hands them, with its NAME, to `_common.finish` (or
+`write_section`): the summary at the top of the doc then holds them, and each run replaces
+that NAME's rows alone.
 """
 
 import argparse

@@ -12,9 +12,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -400,16 +402,155 @@ def _timed_loop() -> float:
     return time.perf_counter() - began
 
 
+WIDTH = 100  # the generated prose is wrapped here, so no line needs scrolling sideways
+
+
+def paragraph(text: str) -> str:
+    """One paragraph of prose, wrapped at WIDTH."""
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False, break_long_words=False)
+
+
+def bullets(items: Iterable[str]) -> str:
+    """A markdown list, each item wrapped at WIDTH under its own indent."""
+    return "\n".join(
+        textwrap.fill(
+            item,
+            WIDTH,
+            initial_indent="- ",
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        for item in items
+    )
+
+
+def run_facts(command: str, load: str) -> list[str]:
+    """The bullets every section ends its text with: how to reproduce it and under what load."""
+    return [
+        f"Command: `{command}`",
+        f"Date: {now_line()}",
+        f"Machine: {machine()} on the same host over TCP, shared with other work"
+        f" (load average {load})",
+    ]
+
+
+def section_text(title: str, lead: str, method: list[str], facts: list[str], body: str) -> str:
+    """A section: its title, one sentence of what it measures, the method's bullets, the run's
+    facts (a list of their own), then its table."""
+    parts = [title, paragraph(lead), bullets(method), "The run:", bullets(facts), body]
+    return "\n\n".join(parts) + "\n"
+
+
+# The summary table: one row per figure with a target, at the top of the file. A benchmark's
+# rows carry its `bench/run NAME` as their command, which is how a run finds its own rows.
+SUMMARY = "## Summary"
+SUMMARY_HEADER = ["figure", "target", "result", "met", "command"]
+SUMMARY_LEAD = (
+    "Every figure that has a target. Each benchmark rewrites its own rows when it writes its"
+    " section (the figure links to it); a row saying not measured has not been run yet."
+)
+# The fault suite is tests, not a benchmark: no script writes its row, so every run keeps it.
+FAULT_ROW = [
+    "fault suite: invariant violations ([docs/reliability.md](reliability.md#results))",
+    "0",
+    "0 in the last recorded run",
+    "yes",
+    "`bin/test tests/faults`",
+]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the summary. A benchmark that has targets returns these from its results
+    and passes them to finish() or write_section() with its `bench/run` name; bench/health.py
+    adds its rows the same way, under its own name."""
+
+    figure: str
+    target: str
+    result: str
+    met: bool | None  # None: not measured (its result says so)
+
+
+def anchor(title: str) -> str:
+    """The link target that GitHub and most renderers give a `## ` heading."""
+    words = re.sub(r"[^\w\- ]", "", title.removeprefix("## ").strip().lower())
+    return "#" + words.replace(" ", "-")
+
+
+def summary_row(bench: str, title: str, figure: Figure) -> list[str]:
+    met = {True: "yes", False: "**no**", None: "-"}[figure.met]
+    link = f"[{figure.figure}]({anchor(title)})"
+    return [link, figure.target, figure.result, met, f"`bench/run {bench}`"]
+
+
+def summary_rows(text: str) -> list[list[str]]:
+    """The rows of the summary table in `text` (none when it has no summary)."""
+    found = _section_pattern(SUMMARY).search(text)
+    if not found:
+        return []
+    lines = [line for line in found.group(0).splitlines() if line.startswith("|")]
+    return [_cells(line) for line in lines[2:]]  # past the header and its rule
+
+
+def merge_rows(rows: list[list[str]], bench: str, new: list[list[str]]) -> list[list[str]]:
+    """`rows` with the benchmark's own replaced by `new`, where the first of them stood, or
+    `new` appended when it had none; every other row kept as it is."""
+    own = f"`bench/run {bench}`"
+    mine = [i for i, row in enumerate(rows) if row[-1] == own]
+    if not mine:
+        return [*rows, *new]
+    kept = [row for row in rows if row[-1] != own]
+    at = mine[0]
+    return [*kept[:at], *new, *kept[at:]]
+
+
+def with_summary(text: str, rows: list[list[str]]) -> str:
+    """`text` with its summary section holding `rows`: replaced where it is, or put before
+    the first section."""
+    rows_text = table(SUMMARY_HEADER, rows, align=":---")
+    summary = f"{SUMMARY}\n\n{paragraph(SUMMARY_LEAD)}\n\n{rows_text}\n"
+    pattern = _section_pattern(SUMMARY)
+    if pattern.search(text):
+        return pattern.sub(lambda _: summary + "\n", text, count=1)
+    first = re.search(r"^## ", text, re.M)
+    at = first.start() if first else len(text)
+    head = text[:at].rstrip("\n") + "\n\n"
+    return head + summary + ("\n" + text[at:] if first else "")
+
+
 def file_header() -> str:
-    return "# Benchmarks\n\nEach section gives the exact command that produced its figures.\n"
+    return (
+        "# Benchmarks\n\n"
+        + paragraph(
+            "`bench/run` runs every benchmark in turn, each writing its own section here and its"
+            " rows of the summary; `bench/run NAME ...` runs some, `bench/run --dry-run` prints the"
+            " commands. Each starts what it needs (daphne, Celery, the fleet) on a database and a"
+            " Redis database of its own. The machine is shared: each section records the load"
+            " average, and the figures move with it."
+        )
+        + "\n"
+    )
 
 
-def write_section(path: Path, title: str, section: str) -> None:
-    """Replace the section headed `title` (up to the next `## `) or append it; the rest of
-    the file is left as it is."""
+def write_section(
+    path: Path,
+    title: str,
+    section: str,
+    bench: str | None = None,
+    figures: Iterable[Figure] = (),
+) -> None:
+    """Replace the section headed `title` (up to the next `## `) or append it, and with `bench`
+    replace that benchmark's rows of the summary by `figures`; the rest of the file is left as
+    it is."""
     assert section.startswith(title + "\n")
     text = path.read_text() if path.exists() else file_header()
-    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
+    if not _section_pattern(SUMMARY).search(text):
+        text = with_summary(text, [FAULT_ROW])
+    if bench is not None:
+        new = [summary_row(bench, title, f) for f in figures]
+        text = with_summary(text, merge_rows(summary_rows(text), bench, new))
+    pattern = _section_pattern(title)
     if pattern.search(text):
         text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
     else:
@@ -418,8 +559,17 @@ def write_section(path: Path, title: str, section: str) -> None:
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+def _section_pattern(title: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+
+
+def table(header: list[str], rows: list[list], align: str = "---:") -> str:
+    """A markdown table, its columns right-aligned (figures) unless `align` says otherwise."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -431,12 +581,15 @@ def finish(
     title: str,
     section: Callable[[], str],
     crashed: bool,
+    bench: str | None = None,
+    figures: Iterable[Figure] = (),
 ) -> None:
-    """A script's end: its table printed, its section written with --write (made only then:
-    it asks the database about the machine), exit status 1 if a consumer or task crashed."""
+    """A script's end: its table printed, its section and its summary rows written with
+    --write (made only then: it asks the database about the machine), exit status 1 if a
+    consumer or task crashed."""
     print(table(header, rows), flush=True)
     if write:
-        write_section(write, title, section())
+        write_section(write, title, section(), bench, figures)
     if crashed:
         sys.exit(1)
 

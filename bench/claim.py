@@ -18,14 +18,11 @@ missing, and emptied at the start of every run.
 import argparse
 import gc
 import os
-import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +40,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.db import connection
 
+from bench import _common as common
 from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
 from clusters.models import ClusterJob, ClusterMember, ClusterStatus
 from gradient.jobs.claim import Assignment, ClaimGate
@@ -60,6 +58,8 @@ SIZES = (2, 8, 32, 128)
 WARMUP = 5
 BATCH = 16  # clusters per claim_clusters call
 SECTION = "## Claim latency"
+BENCH = "claim"  # its name in bench/run, which its summary rows carry
+TARGET_SIZE, TARGET_RATIO = 8, 2.0  # claim within 2x of the floor at 8 members
 
 FLOOR_SQL = """
 WITH attempt AS (
@@ -229,55 +229,48 @@ def table_row(r: dict) -> str:
     )
 
 
-def file_header() -> str:
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW server_version")
-        pg = cursor.fetchone()[0]
-    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    memory = subprocess.run(["free", "-h"], capture_output=True, text=True).stdout.split()[7]
-    return (
-        "# Benchmarks\n\n"
-        f"Machine: {cores} cores (`nproc`), {memory} memory (`free -h`), PostgreSQL {pg} on the"
-        " same host over TCP. The machine is shared: others may be running tests while the"
-        " figures are taken, so each figure is a median or p95 over many runs.\n\n"
-        "Each section gives the exact command that produced its figures.\n"
-    )
+LEAD = (
+    "`claim_cluster`, the wall time of one call, against a floor that writes the same rows, and"
+    " the dispatch pass's batched claim per cluster (see `bench/claim.py`)."
+)
 
 
-def write_section(path: Path, command: str, rows: list[dict], load: tuple) -> None:
-    section = (
-        f"{SECTION}\n\n"
-        "`claim_cluster` (wall time of one call) against the floor: the same rows written by one"
-        " raw psycopg transaction on its own connection, batched into one statement (see"
-        " `bench/claim.py`). Half evaluation, half build members; fresh cluster, jobs and"
-        " workers for every run. Taken on a shared 2-core machine. Since Django's connections"
-        " prepare their hot statements, as the floor's raw psycopg connection always did"
-        ' (docs/design.md, "PostgreSQL prepares the hot statements"), the claim\'s per-member'
-        " statements, prepared and sent in one pipelined round trip, have cost about as much"
-        " as the floor's one statement of CTEs over seven arrays, against 1.34x to 1.56x"
-        " before. The ratio moves from run to run, more at 128 members: in four runs on a quiet"
-        " machine (load average under 1.5) on 2026-12-01 between 16:51 and 18:34 UTC, 0.83x to"
-        " 1.12x at 8 members and 0.65x to 1.52x at 128, and the batch at 128 members took 8 to"
-        " 33 ms a cluster. On a busy"
-        " machine both medians and their ratio move with the load, and the p95s grow far past"
-        " them. Target (issue 3): within 2x of the floor at 8 members.\n\n"
-        f"The batch columns time `claim_clusters`, the dispatch pass's claim, over {BATCH}"
-        " such clusters in one call (one transaction, each claim winning or losing alone),"
-        f" divided by {BATCH}: the cost of one cluster's claim in a pass, without seats. Each"
-        " batch run is one call; batch/floor compares its median with the floor's.\n\n"
-        f"- Command: `{command}`\n- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n"
-        f"- Load average: {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n\n"
-        + "\n".join([HEADER, *map(table_row, rows)])
-        + "\n"
-    )
-    text = path.read_text() if path.exists() else file_header()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def method() -> list[str]:
+    return [
+        "Workload: for every run a fresh Queued cluster, half evaluation and half build members,"
+        f" each member on a fresh worker of its own; only the call is timed, after {WARMUP}"
+        " untimed warm-up runs per size.",
+        "Floor: the same rows (the attempt, a dispatched_job per member, the builds' move to"
+        " Building) in one raw psycopg transaction of one statement, on a connection of its own."
+        " Claim and floor runs alternate, so a change of load hits both alike.",
+        f"Batch: `claim_clusters`, the pass's claim, over {BATCH} such clusters in one call (one"
+        f" transaction, each claim winning or losing alone), divided by {BATCH}: one cluster's"
+        " claim in a pass, without its seats.",
+        "A row: one cluster size; medians and p95s in ms; claim/floor and batch/floor compare"
+        " medians. The ratio moves from run to run, most at 128 members: over four runs on a"
+        " quiet machine, 0.83x to 1.12x at 8 members and 0.65x to 1.52x at 128.",
+        f"Target (issues 3 and 19): within {TARGET_RATIO:g}x of the floor at {TARGET_SIZE}"
+        " members.",
+    ]
+
+
+def figures(rows: list[dict]) -> list[common.Figure]:
+    at = next((r for r in rows if r["size"] == TARGET_SIZE), None)
+    if at is None:
+        return []
+    return [
+        common.Figure(
+            f"claim / floor at {TARGET_SIZE} members",
+            f"≤ {TARGET_RATIO:g}x",
+            f"{at['ratio']:.2f}x",
+            at["ratio"] <= TARGET_RATIO,
+        )
+    ]
+
+
+def section(command: str, rows: list[dict], load: str) -> str:
+    body = "\n".join([HEADER, *map(table_row, rows)])
+    return common.section_text(SECTION, LEAD, method(), common.run_facts(command, load), body)
 
 
 def main() -> None:
@@ -288,10 +281,13 @@ def main() -> None:
     command = shlex.join([".venv/bin/python", "bench/claim.py", *sys.argv[1:]])
     ensure_database()
     print(f"{command}\n\n{HEADER}", flush=True)
-    load = os.getloadavg()
+    before = common.load()
     rows = run(args.repeat)
     if args.write:
-        write_section(args.write, command, rows, load)
+        load = f"{before} at the start, {common.load()} at the end"
+        common.write_section(
+            args.write, SECTION, section(command, rows, load), BENCH, figures(rows)
+        )
 
 
 if __name__ == "__main__":

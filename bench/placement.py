@@ -54,6 +54,7 @@ from bench import _common as common
 REDIS_DB = 14
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_placement"
 SECTION = "## Placement quality"
+BENCH = "placement"  # its name in bench/run, which its summary rows carry
 TARGET = 1.1  # chosen bytes at most this times full scoring's (issue #18)
 ZONES = ("a", "b", "c")
 PATH_POOL = 3000  # store paths the jobs draw theirs from, so jobs share some
@@ -444,7 +445,6 @@ HEADER = [
     "pass median s",
     "wall s",
     "load",
-    f"≤ {TARGET:g} x full scoring",
 ]
 
 
@@ -466,48 +466,69 @@ def row(run: Run) -> list:
         f"{statistics.median(run.pass_secs):.3f}",
         f"{run.wall:.0f}",
         run.load,
-        "yes" if t["ratio"] <= TARGET else "**no**",
+    ]
+
+
+def figures(runs: list[Run]) -> list[common.Figure]:
+    """Issue #18's target, on the deepest queue measured."""
+    if not runs:
+        return []
+    deep = max(runs, key=lambda r: r.depth)
+    ratio = totals(deep)["ratio"]
+    return [
+        common.Figure(
+            f"placement: chosen seats' bytes over full scoring's, {deep.depth:,} clusters queued",
+            f"≤ {TARGET:g}",
+            f"{ratio:.3f}",
+            ratio <= TARGET,
+        )
+    ]
+
+
+LEAD = (
+    "Issue #18's placement quality: on a deep queue, the bytes the seats chosen by the dispatch"
+    " pass must fetch, against the planner's cheapest seating of the same clusters with every"
+    " pair scored on the same snapshot (see `bench/placement.py`)."
+)
+
+
+def method(args) -> list[str]:
+    lo, hi = args.job_passes
+    return [
+        "Stack: the real code in one process, no daphne or Celery; a database and Redis"
+        f" database {REDIS_DB} of its own, Channels' in-memory layer, worker rows as if connected.",
+        f"Fleet: {args.workers} workers in zones a/b/c, one in {BUILD_ONLY_EVERY} build-only, one"
+        f" slot per kind. Each holds {HAVE[0]:.0%} to {HAVE[1]:.0%} of a pool of {PATH_POOL:,}"
+        " store paths; scores come from the reference worker's `missing_cost`.",
+        f"Queue: clusters of 2 to 4 members ({EVAL_SHARE:.0%} evaluations, a third same_zone),"
+        f" each job {PATHS_PER_JOB[0]} to {PATHS_PER_JOB[1]} paths; topped up to the depth"
+        " before every pass.",
+        f"A tick: clusters that ran {lo} to {hi} passes report JobCompleted. Each freed slot, and"
+        f" each free one every {HEARTBEAT_SECS} s, asks as its session would (`read_head`, the"
+        " JobOffer answered, `request_job`). Then `run_pass()`; its JobOffers are answered at"
+        " once, its seats accept.",
+        "Full scoring: `planner.plan()` over `dispatch.snapshot()` taken just before the pass"
+        " (its workers, its book in order up to the last cluster claimed, held ones included),"
+        " every pair scored; compared on the clusters the pass claimed.",
+        "A row: one depth. Unscored seats: claimed without a score. Pairs scored: of the (idle"
+        " worker, member) pairs that could seat the claimed clusters, those with a score at the"
+        " pass. Held: clusters a pass offered and did not claim / passes that held some.",
+        f"{args.passes} passes measured per depth after {args.warmup} of warm-up. VACUUM ANALYZE"
+        f" every {VACUUM_SECS} s, as autovacuum would: it is off on this server.",
+        f"Target (issue #18): chosen bytes at most {TARGET:g} x full scoring's on the deep queue.",
     ]
 
 
 def section(command: str, runs: list[Run], args) -> str:
     odd = sum(r.outside + r.mismatched for r in runs)
     unseated = sum(totals(r)["unseated"] for r in runs)
-    lo, hi = args.job_passes
-    return (
-        f"{SECTION}\n\n"
-        "Issue #18's placement quality: on a deep queue, the bytes the seats chosen by the"
-        " dispatch pass must fetch, against the planner's cheapest seating of the same clusters"
-        " with every pair scored on the same snapshot (see `bench/placement.py`).\n\n"
-        "- Stack: the real code in one process, no daphne or Celery; a database and Redis"
-        " database 14 of its own, Channels' in-memory layer, worker rows as if connected.\n"
-        f"- Fleet: {args.workers} workers in zones a/b/c, one in {BUILD_ONLY_EVERY} build-only,"
-        f" one slot per kind. Each holds {HAVE[0]:.0%} to {HAVE[1]:.0%} of a pool of"
-        f" {PATH_POOL:,} store paths; scores come from the reference worker's `missing_cost`.\n"
-        f"- Queue: clusters of 2 to 4 members ({EVAL_SHARE:.0%} evaluations, a third"
-        f" same_zone), each job {PATHS_PER_JOB[0]} to {PATHS_PER_JOB[1]} paths; topped up to"
-        " the depth before every pass.\n"
-        f"- A tick: clusters that ran {lo} to {hi} passes report JobCompleted. Each freed"
-        f" slot, and each free one every {HEARTBEAT_SECS} s, asks as its session would"
-        " (`read_head`, the JobOffer answered, `request_job`). Then `run_pass()`; its JobOffers"
-        " are answered at once, its seats accept.\n"
-        "- Full scoring: `planner.plan()` over `dispatch.snapshot()` taken just before the pass"
-        " (its workers, its book in order up to the last cluster claimed, held ones included,"
-        " as the pass keeps their seats too), every pair scored; compared on the clusters the"
-        " pass claimed.\n"
-        "- Unscored seats: claimed without a score. Pairs scored: of the (idle worker, member)"
-        " pairs that could seat the claimed clusters, those with a score at the pass. Held:"
-        " clusters a pass offered and did not claim / passes that held some.\n"
-        f"- {args.passes} passes measured per depth after {args.warmup} of warm-up. VACUUM"
-        f" ANALYZE every {VACUUM_SECS} s: autovacuum is off on this server.\n"
-        f"- Checks: seats off the snapshot, or whose recorded score is not the scorer's: {odd};"
-        f" claimed clusters that full scoring could not seat (left out): {unseated}.\n"
-        f"- Target (issue #18): chosen bytes at most {TARGET:g} x full scoring's on the deep"
-        " queue.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
-        " (load average in the table)\n\n" + common.table(HEADER, [row(r) for r in runs]) + "\n"
-    )
+    facts = [
+        f"Checks: seats off the snapshot, or whose recorded score is not the scorer's: {odd};"
+        f" claimed clusters that full scoring could not seat (left out): {unseated}.",
+        *common.run_facts(command, "in the table"),
+    ]
+    body = common.table(HEADER, [row(r) for r in runs])
+    return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 
 def passes_range(text: str) -> tuple[int, int]:
@@ -547,6 +568,8 @@ def main() -> None:
         SECTION,
         lambda: section(command, runs, args),
         crashed=any(r.outside or r.mismatched for r in runs),  # the bench misread the pass
+        bench=BENCH,
+        figures=figures(runs),
     )
 
 

@@ -48,6 +48,7 @@ from bench import _common as common
 REDIS_DB = 13
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_queue_depth"
 SECTION = "## Deep queue"
+BENCH = "queue-depth"  # its name in bench/run, which its summary rows carry
 PROJECT = "qd-builds"
 TARGET_RATE = 150.0  # builds per second, at every depth
 TARGET_SPREAD = 0.10  # the depths' rates within 10% of each other
@@ -360,10 +361,6 @@ def score_limit(workers: int) -> int:
     return workers * 2 * OFFER_WINDOW
 
 
-def mark(ok: bool) -> str:
-    return "✓" if ok else "✗"
-
-
 HEADER = [
     "builds queued (N)",
     "builds completed/s",
@@ -374,23 +371,13 @@ HEADER = [
     "cores used: daphne, Celery, PostgreSQL, fleet",
     "cores used by the bench: feeder and sampler / their PostgreSQL backends",
     "load average (start / end)",
-    "target",
 ]
 
 
 def rows(results: list[dict], workers: int) -> list[list]:
-    rates = [r["rate"] for r in results]
-    limit = score_limit(workers)
     out = []
-    for i, r in enumerate(results):
+    for r in results:
         cpu = r["cpu"]
-        target = (
-            f"≥ {TARGET_RATE:.0f} builds/s {mark(r['rate'] >= TARGET_RATE)};"
-            f" job_score ≤ {limit:,} {mark(max(r['scores']) <= limit)}"
-        )
-        if i == len(results) - 1 and len(results) > 1:
-            ok = min(rates) >= (1 - TARGET_SPREAD) * max(rates)
-            target += f"; every depth within {TARGET_SPREAD:.0%} of the fastest {mark(ok)}"
         short = "" if r["connected"] == workers else f" ({r['connected']} connected)"
         out.append(
             [
@@ -403,60 +390,89 @@ def rows(results: list[dict], workers: int) -> list[list]:
                 ", ".join(f"{cpu[k]:.2f}" for k in ("daphne", "celery", "postgres", "fleet")),
                 f"{cpu['bench']:.2f} / {cpu['bench_postgres']:.2f}",
                 r["load"],
-                target,
             ]
         )
     return out
 
 
-def section(command: str, results: list[dict], args) -> str:
+def figures(results: list[dict], workers: int) -> list[common.Figure]:
+    """Issue #18's targets: the rate at every depth, the depths alike, job_score bounded."""
+    out = [
+        common.Figure(
+            f"deep queue: builds completed/s, {r['depth']:,} queued",
+            f"≥ {TARGET_RATE:.0f}",
+            f"{r['rate']:.1f}",
+            r["rate"] >= TARGET_RATE,
+        )
+        for r in results
+    ]
+    rates = [r["rate"] for r in results]
+    if len(rates) > 1:
+        ratio = min(rates) / max(rates) if max(rates) else 0.0
+        out.append(
+            common.Figure(
+                "deep queue: slowest depth's builds/s over the fastest's",
+                f"≥ {1 - TARGET_SPREAD:g}",
+                f"{ratio:.2f}",
+                ratio >= 1 - TARGET_SPREAD,
+            )
+        )
+    most = max(max(r["scores"]) for r in results)
+    limit = score_limit(workers)
+    target = f"≤ {limit:,} ({workers} workers x 2 x {OFFER_WINDOW})"
+    out.append(
+        common.Figure("deep queue: job_score rows, the most", target, f"{most:,}", most <= limit)
+    )
+    return out
+
+
+LEAD = (
+    "The deep-queue workload of issue #18: the same fleet and window with hundreds and with tens"
+    " of thousands of single builds queued (see `bench/queue_depth.py`)."
+)
+
+
+def method(args, ticks: str) -> list[str]:
     window_source = "from the environment" if "GRADIENT_OFFER_WINDOW" in os.environ else "default"
+    fleet = " ".join(fleet_command(args, "ws://HOST:PORT/proto")[1:])
+    return [
+        "Stack: the web process (`python -m gradient.serve`, one daphne per core), one Celery"
+        f" worker (`-c 2`) and beat, as subprocesses on a database and Redis database {REDIS_DB}"
+        " of the bench's own, all started afresh for each depth.",
+        f"Fleet: `{fleet}`, a subprocess of its own (its CPU is its own column).",
+        "Queue: single builds of one project, queued with `submit_job --project P --kind build"
+        " --count N` before the fleet connects. A feeder thread tops it up to N with the same"
+        f" command once it is {SHORT_SHARE:.0%} short, reading it every {ticks}.",
+        f"Window: {args.window:g} s after the fleet connected (within {args.connect_timeout:g} s,"
+        f" or the row says how many did) and {args.warmup:g} s of warm-up, with an `ANALYZE`"
+        " after the queue was filled and twice in the warm-up.",
+        "A row: one depth. Builds completed/s: dispatched_job rows that ended Completed in the"
+        " window, over its length; the first and last parts of the window (between two"
+        " job_score counts) show whether it was steady. Queue held: every read of the queued"
+        " builds in the window.",
+        f"job_score rows: `count(*)` at {args.samples} evenly spaced times in the window. Bound:"
+        f" workers x 2 x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x {OFFER_WINDOW}"
+        f" ({window_source}) = {score_limit(args.workers):,}.",
+        "Cores used: CPU seconds over the window from `/proc`, divided by its length: daphne,"
+        " Celery (worker, pool, beat), the PostgreSQL backends serving the bench database, the"
+        " fleet; the bench's feeder and sampler, and their two backends, apart.",
+        f"Targets (issue #18): at least {TARGET_RATE:.0f} builds/s at every depth, within"
+        f" {TARGET_SPREAD:.0%} of each other; job_score rows at most workers x 2 x window.",
+    ]
+
+
+def section(command: str, results: list[dict], args) -> str:
     crashes = sum(len(r["crashes"]) for r in results)
     tracebacks = sum(r["tracebacks"] for r in results)
     ticks = ", ".join(f"{r['tick']:.2f} s at {r['depth']:,}" for r in results)
-    fleet = " ".join(fleet_command(args, "ws://HOST:PORT/proto")[1:])
-    return (
-        f"{SECTION}\n\n"
-        "The deep-queue workload of issue #18: the same fleet and window with hundreds and with"
-        " tens of thousands of single builds queued (see `bench/queue_depth.py`).\n\n"
-        "- Stack: the web process (`python -m gradient.serve`, one daphne per core), one Celery"
-        " worker (`-c 2`) and beat, as subprocesses on a database and Redis database 13 of the"
-        " bench's own, all started afresh for each depth.\n"
-        f"- Fleet: `{fleet}`, a subprocess of its own (its CPU is its own column).\n"
-        "- Queue: single builds of one project, queued with `submit_job --project P --kind build"
-        " --count N` (called in the bench's process, at most 10,000 a call) before the fleet"
-        " connects. A feeder thread tops it up to N with the same command once it is"
-        f" {SHORT_SHARE:.0%} short, reading it every {ticks} (at the fleet's fastest, that"
-        " much of the queue ends between two reads). Queue held: every read of the queued builds in"
-        " the window, the feeder's (just before a top-up) and the sampler's (every second).\n"
-        f"- Window: {args.window:g} s, after the fleet connected (the table says where not all"
-        f" of it did within {args.connect_timeout:g} s) and {args.warmup:g} s of warm-up,"
-        " with an `ANALYZE` after the queue was filled, at the warm-up's start and at its"
-        " middle (the database was emptied moments before). Builds completed/s:"
-        " dispatched_job rows that ended Completed in the window, over its length; jobs"
-        " failed / abandoned: those that ended Failed / Abandoned in it.\n"
-        f"- job_score rows: `count(*)` at {args.samples} evenly spaced times from the window's"
-        " start to its end, the rows of builds already finished among them. Bound: workers x 2"
-        f" x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x {OFFER_WINDOW} ({window_source}) ="
-        f" {score_limit(args.workers):,}. The window's parts are the"
-        f" {args.window / (args.samples - 1):g} s between two counts: the first and the last"
-        " show whether the rate was steady.\n"
-        "- Cores used: CPU seconds over the window from `/proc`, divided by its length: daphne"
-        " (the launcher and its daphne processes), Celery (worker, pool, beat), PostgreSQL (the"
-        " backends serving the bench database, autovacuum's among them, but the bench's own),"
-        " the fleet's process; the bench's feeder and sampler, and their two backends, apart."
-        " Everything shares the machine's cores with other work (the load average).\n"
-        f"- Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
+    facts = [
+        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
         f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
-        f" {tracebacks}.\n"
-        f"- Targets (issue #18): at least {TARGET_RATE:.0f} builds/s at every depth, within"
-        f" {TARGET_SPREAD:.0%} of each other; job_score rows at most workers x 2 x window.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
-        " (load average in the table)\n\n"
-        + common.table(HEADER, rows(results, args.workers))
-        + "\n"
-    )
+        f" {tracebacks}.",
+        *common.run_facts(command, "in the table"),
+    ]
+    body = common.table(HEADER, rows(results, args.workers))
+    return common.section_text(SECTION, LEAD, method(args, ticks), facts, body)
 
 
 def main() -> None:
@@ -487,6 +503,8 @@ def main() -> None:
         SECTION,
         lambda: section(command, results, args),
         crashed=any(r["crashes"] for r in results),
+        bench=BENCH,
+        figures=figures(results, args.workers),
     )
 
 

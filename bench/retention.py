@@ -167,20 +167,21 @@ def section(command: str, times: list[float], batch: int, load: str) -> str:
         f"{statistics.median(times):.2f}",
         f"{min(times):.2f} to {max(times):.2f}",
     ]
-    return (
-        f"{SECTION}\n\n"
-        f"The hourly retention pass deleting {FINISHED:,} finished clusters past the cutoff"
-        f" (nine in ten with a member; every one with an attempt and its dispatched_job rows)"
-        f" and {YOUNG_GONE:,} young finished ones that evaluation garbage collection left"
-        f" without members, while {YOUNG:,} young finished ones and {ACTIVE} active ones as"
-        f" old as the first stay, in batches of {batch:,} (see `bench/retention.py`). Only"
-        " `run_retention()` is timed; the rows are rebuilt before every run.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
-        f" (load average {load})\n\n"
-        + common.table(["clusters deleted", "kept", "runs", "median s", "range s"], [row])
-        + "\n"
+    lead = (
+        "The hourly retention pass, `run_retention()`, over a table of old and young finished"
+        " clusters (see `bench/retention.py`)."
     )
+    method = [
+        f"Deleted: {FINISHED:,} finished clusters past the cutoff (nine in ten with a member;"
+        " every one with an attempt and its dispatched_job rows) and"
+        f" {YOUNG_GONE:,} young finished ones that evaluation garbage collection left without"
+        " members.",
+        f"Kept: {YOUNG:,} young finished clusters and {ACTIVE} active ones as old as the first.",
+        f"Timed: `run_retention()` alone, in batches of {batch:,}; the rows are rebuilt before"
+        " every run. A row: the median and range over the runs.",
+    ]
+    body = common.table(["clusters deleted", "kept", "runs", "median s", "range s"], [row])
+    return common.section_text(SECTION, lead, method, common.run_facts(command, load), body)
 
 
 if __name__ == "__main__":

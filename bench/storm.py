@@ -30,6 +30,7 @@ from bench import _common as common
 
 REDIS_DB = 10
 SECTION = "## Connection storm"
+BENCH = "storm"  # its name in bench/run, which its summary rows carry
 BACK_TARGET_SECS = 5.0
 TIMEOUT_SECS = 60.0
 
@@ -144,40 +145,16 @@ def run(count: int, restarts: int) -> dict:
     return result
 
 
-def mark(met: bool) -> str:
-    return "✓" if met else "✗"
-
-
-HEADER = ["event", "workers", "every InitAck after s", "median s", "p95 s", "target"]
+HEADER = ["event", "workers", "every InitAck after s", "median s", "p95 s"]
 
 
 def rows(r: dict) -> list[list]:
-    n = f"{r['workers']:,}"
-    ok = not r["crashes"]
-    out = [
-        [
-            "storm: all connect at once (ramp 0)",
-            n,
-            every(r),
-            f"{r['median']:.2f}",
-            f"{r['p95']:.2f}",
-            f"every worker gets InitAck, no consumer crash {mark(ok and not r['missing'])}",
-        ]
+    events = [("storm: all connect at once (ramp 0)", r)] + [
+        (f"restart {i}: SIGKILL, same command and port (listening after {x['listening']:.2f} s)", x)
+        for i, x in enumerate(r["restarts"], 1)
     ]
-    for i, x in enumerate(r["restarts"], 1):
-        met = not x["missing"] and x["all"] < BACK_TARGET_SECS
-        out.append(
-            [
-                f"restart {i}: SIGKILL, same command and port (listening after"
-                f" {x['listening']:.2f} s)",
-                n,
-                every(x),
-                f"{x['median']:.2f}",
-                f"{x['p95']:.2f}",
-                f"all back < {BACK_TARGET_SECS:.0f} s {mark(met)}",
-            ]
-        )
-    return out
+    n = f"{r['workers']:,}"
+    return [[e, n, every(x), f"{x['median']:.2f}", f"{x['p95']:.2f}"] for e, x in events]
 
 
 def every(x: dict) -> str:
@@ -186,79 +163,75 @@ def every(x: dict) -> str:
     return f"{x['all']:.2f}"
 
 
+def figures(r: dict) -> list[common.Figure]:
+    n = f"{r['workers']:,}"
+    connected = r["workers"] - r["missing"]
+    out = [
+        common.Figure(
+            f"storm of {n}: every worker's InitAck, no consumer crash",
+            "every worker, 0 crashes",
+            f"{connected:,} of {n} after {r['all']:.2f} s, {len(r['crashes'])} crashes",
+            not r["missing"] and not r["crashes"],
+        )
+    ]
+    if r["restarts"]:
+        slowest = max(r["restarts"], key=lambda x: (x["missing"], x["all"]))
+        out.append(
+            common.Figure(
+                f"storm of {n}: every worker back after a restart (slowest of"
+                f" {len(r['restarts'])})",
+                f"< {BACK_TARGET_SECS:g} s",
+                f"{every(slowest)} s",
+                not slowest["missing"] and slowest["all"] < BACK_TARGET_SECS,
+            )
+        )
+    return out
+
+
+LEAD = (
+    "A reconnect storm: a fleet connects to the web process all at once, then the web process is"
+    " killed and started again, and every worker comes back (see `bench/storm.py`)."
+)
+
+
+def method(workers: int) -> list[str]:
+    return [
+        f"Fleet: {workers:,} reference workers (a `Fleet` of `SimulatedWorker` in one process, real"
+        " WebSockets, `ramp_secs=0`) with the shipped `WorkerConfig`: reconnect backoff 0.1 s"
+        " doubling to 2 s, jittered.",
+        "Server: the README's command, `python -m gradient.serve` (one daphne per core, 2 here, on"
+        f" one socket), a subprocess on the bench database and Redis database {REDIS_DB}; no"
+        " Celery, so the dispatch wake-ups only queue.",
+        "Storm row: from the fleet's start until every worker has its InitAck; each session also"
+        " sends its RequestJobs and answers its offers meanwhile.",
+        "Restart rows: the launcher and its daphnes killed with SIGKILL, the same command started"
+        " on the same port; from that start until every worker has an InitAck on a new"
+        " connection, the daphnes' own start-up included. 'Listening' is when the launcher bound"
+        " the socket, before any daphne imports Django: workers reconnecting meanwhile wait in"
+        " its listen queue (backlog 1,024) instead of being refused.",
+        "Median and p95: over each worker's first InitAck of the row.",
+        "Where the time goes: a session's start is three statements (authenticate, attach,"
+        " capabilities) and then one offer statement, on threads of their own"
+        " (tests/sessions/test_session_start_cost.py); while starts are pending, other frames wait"
+        " up to 5 s, so the InitAcks go first. From a restart to the last InitAck both cores are"
+        " full: the daphnes spend about 6 s of CPU, a third of it importing Django, the project"
+        " and Twisted, PostgreSQL about 2 s and the fleet about 1 s (/proc, py-spy).",
+        "Spread: the last worker's return moves by about a second from run to run, with how"
+        " evenly the kernel hands the connections to the two daphnes (640 and 360 of 1,000 in a"
+        " slow restart).",
+        f"Targets: every worker gets its InitAck; all back within {BACK_TARGET_SECS:g} s of a"
+        " restart.",
+    ]
+
+
 def section(command: str, r: dict) -> str:
-    return (
-        f"{SECTION}\n\n"
-        f"{r['workers']:,} reference workers (`Fleet` of `SimulatedWorker` in one process, real"
-        " WebSockets, `ramp_secs=0`, the shipped `WorkerConfig`: reconnect backoff 0.1 s doubling"
-        " to 2 s, jittered) connect at once to the web process (the README's command,"
-        " `python -m gradient.serve`: one daphne per core, 2 here, on one socket; a subprocess"
-        " on the bench database and Redis database 10; no Celery, so the dispatch wake-ups just"
-        " queue). First row: from the fleet's start until every worker has its InitAck (each"
-        " session also sends its RequestJobs and answers its JobOffer meanwhile). Then the web"
-        " process and its daphnes are killed with SIGKILL and the same command started again on"
-        " the same port; each restart row is from that start until every worker has an InitAck"
-        " on a new connection (the daphnes' own start-up, Django imports and all, is included)."
-        " The launcher binds the socket before the daphnes import anything (the event column's"
-        " 'listening' is that): workers reconnecting meanwhile wait in its listen queue"
-        " (backlog 1,024) instead of being refused and backing off. Median and p95 are over the"
-        " workers' own first InitAck. Consumers that crashed (`Exception inside application` in"
-        f" daphne's log): {len(r['crashes'])}; tracebacks of any kind there (warnings logged"
-        f" with their exception too): {r['tracebacks']}. Where the time goes (CPU time from"
-        " /proc, PostgreSQL's statements from its log, py-spy on daphne): a start up to InitAck"
-        " is three statements (authenticate; attach, one statement also for a worker whose"
-        " session died with the killed daphne; the capabilities, one statement), then the"
-        " offer, one statement for both kinds, all on threads of their own, pinned in"
-        " tests/sessions/test_session_start_cost.py. While many starts are pending, the other"
-        " frames (RequestJobs) wait up to 5 s, so the InitAcks go first. From a restart to the"
-        " last InitAck the two cores are full (97% busy, from /proc/stat): per restart the"
-        " daphnes spent about 6 s of CPU, a third of it importing (a restarted daphne imports"
-        " Django, the project and Twisted before it accepts anything: about 0.85 s of CPU"
-        " alone, about 1.4 s of wall time while the others compete), PostgreSQL about 2 s, the"
-        " fleet about 1 s. Three changes brought a restart from about 8 s to about 4.6 s on"
-        " this machine in one hour (12:34 UTC on 2026-12-01, reference loop 0.14 s; in slower"
-        " hours, reference loop 0.22 to 0.39 s, the same code took 6.5 to 7.2 s). How soon the"
-        " last worker is back varies by about a second from run to run: nine restarts of the"
-        " same code in one hour (15:00 UTC, reference loop 0.15 s) were back within 3.9 to 5.0"
-        " s, median 4.0 s. The slow ones are those where the two daphnes got uneven shares of"
-        " the connections (the kernel hands each to whichever daphne accepts first: 640 and 360"
-        " of 1,000 in one, 481 and 519 in a restart back within 3.6 s). Holding Twisted's"
-        " accept batch (100 connections per wake-up, and growing) to 1 or 4 evened the shares"
-        " but did not make the restarts faster (medians 4.5 and 4.1 s over nine each,"
-        " alternating with the code as it is), nor did moving the replaced session's goodbye"
-        " (two Redis commands per worker) after the storm: neither was kept. Skipping the offer"
-        " statement when no job row was written since a session's last offer (docs/design.md)"
-        " cut PostgreSQL's CPU over a storm and three restarts from 10.0 s to 7.7 s, with no"
-        " change to the restarts one could measure: a session's offers come after its InitAck."
-        " (An earlier run of this section, in a slower hour, had found the code of that hour"
-        " half a second slower than the code of 12:34; not traced further, and not compared"
-        " again here.) The three changes: each"
-        " reconnecting worker's dead previous channel, full since its daphne died, was logged"
-        " with a traceback (about 2,700 per storm); one daphne held one GIL while the other"
-        " core idled (now one per core); and no statement was ever prepared (Django turns"
-        " psycopg's preparing off unless asked), so PostgreSQL planned every statement afresh:"
-        " planning took 4 times as long as executing, and PostgreSQL's CPU per restart fell"
-        " from about 7 s to about 2 s once statements were prepared. A restarted daphne is"
-        " ready after importing Django, the project and Twisted, about 1 s of CPU once"
-        " bytecode is compiled (bin/setup compiles it), and scipy is imported only when a pass"
-        " needs it."
-        " daphne waits up to 30 s for a session to accept its handshake"
-        " (`--websocket_connect_timeout 30` in the README's command): with its default of 5 s,"
-        " the handshakes still in line after 5 s were refused with a 403, which the reference"
-        " worker retries after 5 s, doubling, and the last workers came back after 31 s."
-        " The sessions' database work runs on 4 threads (GRADIENT_FRAME_THREADS):"
-        " with 16 they took the GIL from the event loop, the Redis pool ran dry and 85 of the"
-        " 1,000 never had an InitAck within 60 s."
-        " Since the previous table (15:19 UTC, restarts back within 4.20 to 4.80 s), the daphnes"
-        " and the fleet freeze their start-up heap and collect less often (docs/design.md);"
-        " three runs of this code within 20 minutes had restarts back within 3.3 to 4.2 s on a"
-        " quiet machine, and one that started right after the throughput benchmark (load"
-        " average 12) had 4.7 to 6.2 s."
-        " Targets: every worker gets its InitAck; all back within 5 s of the restart.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
-        f" (load average {r['load']})\n\n" + common.table(HEADER, rows(r)) + "\n"
-    )
+    facts = [
+        f"Consumers that crashed (`Exception inside application` in daphne's log):"
+        f" {len(r['crashes'])}; tracebacks of any kind there: {r['tracebacks']}.",
+        *common.run_facts(command, r["load"]),
+    ]
+    body = common.table(HEADER, rows(r))
+    return common.section_text(SECTION, LEAD, method(r["workers"]), facts, body)
 
 
 def main() -> None:
@@ -277,7 +250,8 @@ def main() -> None:
     result["load"] = f"{before} at the start, {common.load()} at the end"
     print(common.table(HEADER, rows(result)), flush=True)
     if args.write:
-        common.write_section(args.write, SECTION, section(command, result))
+        text = section(command, result)
+        common.write_section(args.write, SECTION, text, BENCH, figures(result))
     if result["crashes"] or result["missing"]:
         sys.exit(1)
 

@@ -43,6 +43,7 @@ from bench import _common as common
 REDIS_DB = 11
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_throughput"
 SECTION = "## Sustained throughput"
+BENCH = "throughput"  # its name in bench/run, which its summary rows carry
 # Issue #18's targets: pairs scored per start at every size; member starts per second at 500
 # workers (200 remains the aim), and at 1,000 against those at 100.
 TARGET_PAIRS_PER_START = 40.0
@@ -381,21 +382,20 @@ def cpu_text(cpu: dict) -> str:
 
 
 HEADER = [
-    "workers (singles + clusters; connected at the window's start if not all)",
+    "workers (singles + clusters)",
     "member starts/s",
     "single starts/s",
     "total starts/s",
-    "(worker, job) pairs offered/s",
-    "(worker, job) pairs scored per start",
+    "pairs offered/s",
+    "pairs scored per start",
     "CPU ms per start",
-    "member slot: RequestJob to AssignJob s (median / p90)",
-    "member slot: AssignJob to StartCluster s (median / p90)",
+    "slot idle s (median / p90)",
+    "slot held s (median / p90)",
     "jobs failed",
     "prepares failed",
     "smallest queue: singles, clusters",
     "cores used: daphne, Celery, PostgreSQL, fleet",
     "load average (start / end)",
-    "target",
 ]
 
 
@@ -403,25 +403,39 @@ def pairs_per_start(r: dict) -> float:
     return r["scored"] / max(r["members"] + r["singles"], 1)
 
 
-def mark(ok: bool) -> str:
-    return "✓" if ok else "✗"
-
-
-def target_text(r: dict, results: list[dict]) -> str:
-    """The issue's targets that apply to this fleet size, each met or not."""
-    met = mark(pairs_per_start(r) <= TARGET_PAIRS_PER_START)
-    out = [f"≤ {TARGET_PAIRS_PER_START:.0f} pairs scored/start {met}"]
-    least = TARGET_MEMBER_STARTS.get(r["workers"])
-    if least is not None:
-        met = mark(r["member_rate"] >= least)
-        out.append(f"≥ {least:.0f} member starts/s {met} (aim {AIM_MEMBER_STARTS:.0f})")
+def figures(results: list[dict]) -> list[common.Figure]:
+    """Issue #18's targets: pairs per start at every size, member starts at 500 workers, and
+    at 1,000 against 100."""
+    by_size = {r["workers"]: r for r in results}
+    worst = max(results, key=pairs_per_start)
+    out = [
+        common.Figure(
+            "throughput: (worker, job) pairs scored per start, every fleet size",
+            f"≤ {TARGET_PAIRS_PER_START:.0f}",
+            f"{pairs_per_start(worst):.1f} at {worst['workers']:,} workers (the most)",
+            pairs_per_start(worst) <= TARGET_PAIRS_PER_START,
+        )
+    ]
+    for size, least in TARGET_MEMBER_STARTS.items():
+        r = by_size.get(size)
+        out.append(
+            common.Figure(
+                f"throughput: member starts/s at {size:,} workers",
+                f"≥ {least:.0f} (aim {AIM_MEMBER_STARTS:.0f})",
+                "not measured" if r is None else f"{r['member_rate']:.1f}",
+                None if r is None else r["member_rate"] >= least,
+            )
+        )
     large, small, share = TARGET_KEPT
-    base = next((b for b in results if b["workers"] == small), None)
-    if r["workers"] == large and base is not None:
-        least = share * base["member_rate"]
-        met = mark(r["member_rate"] >= least)
-        out.append(f"member starts/s ≥ {share:g} x those at {small:,} = {least:.1f} {met}")
-    return "; ".join(out)
+    if large in by_size and small in by_size:
+        least = share * by_size[small]["member_rate"]
+        result = f"{by_size[large]['member_rate']:.1f} against {least:.1f}"
+        met = by_size[large]["member_rate"] >= least
+    else:
+        result, met = "not measured", None
+    figure = f"throughput: member starts/s at {large:,} workers against {small:,}"
+    out.append(common.Figure(figure, f"≥ {share:g} x those at {small:,}", result, met))
+    return out
 
 
 def rows(results: list[dict]) -> list[list]:
@@ -449,21 +463,55 @@ def rows(results: list[dict]) -> list[list]:
                     for k in ("daphne", "celery", "postgres", "fleet")
                 ),
                 r["load"],
-                target_text(r, results),
             ]
         )
     return out
 
 
-def section(command: str, results: list[dict], args) -> str:
-    small = min(results, key=lambda r: r["workers"])
-    large = max(results, key=lambda r: r["workers"])
+LEAD = (
+    "Member and single starts per second on the real stack with both queues kept full, at fleet"
+    " sizes of 100 to 1,000 workers (see `bench/throughput.py`)."
+)
 
-    def per_start(r: dict, value: float) -> float:
-        return value / max(r["member_rate"] + r["single_rate"], 1e-9)
 
-    pairs_small, pairs_large = pairs_per_start(small), pairs_per_start(large)
-    cpu_small = per_start(small, 1000 * sum(small["cpu"].values()) / small["window"])
+def method(args) -> list[str]:
+    return [
+        "Stack: daphne (`gradient.serve`, one per core), one Celery worker (`-c 2`) and beat as"
+        f" subprocesses on a database and Redis database {REDIS_DB} of the bench's own, all"
+        " started afresh for each fleet size.",
+        "Fleet: reference workers (`SimulatedWorker`, real WebSockets) in the script's process,"
+        f" one eval and one build slot each, jobs of {args.job_min:g} to {args.job_max:g} s,"
+        f" connected over {args.ramp:g} s. {args.single_share:.0%} take single jobs of one"
+        " project, the rest cluster members of another: with one project, a queue kept full of"
+        " singles would leave no idle slot for a cluster to be placed on.",
+        "Queue: a feeder thread tops both queues up every 0.25 s through `create_jobs` and"
+        " `submit_cluster` (evaluations and builds; clusters of 2 to 4 members); the smallest"
+        " queue it saw in the window is in its column.",
+        f"Window: {args.window:g} s after {args.warmup:g} s of warm-up, with an `ANALYZE` at the"
+        " warm-up's start and middle (the database was emptied moments before).",
+        "A row: one fleet size (and how many were connected at the window's start, if not all)."
+        " A member start is a StartCluster received for a held member, a single start an"
+        " AssignJob of a single job. Pairs: (worker, job) pairs offered to the workers per"
+        " second, and the score entries of their JobScores in the window over the starts in it."
+        " CPU per start: the whole stack's.",
+        "Slot columns: a member's slot idle from its RequestJob to a member's AssignJob, then"
+        " held until every member of its attempt accepted and StartCluster came.",
+        "Failures: jobs failed are assignments that ended Failed, prepares failed attempts that"
+        " ended PrepareFailed, from the start to the end of the window.",
+        "Cores used: CPU seconds per second of the window from `/proc`: daphne; the Celery"
+        " worker, its pool and beat; the PostgreSQL backends of the bench database; this"
+        " process (the fleet and the feeder).",
+        "Where the time goes: everything shares the 2 cores, full at every size. Where the slot"
+        " waits are seconds, the slots sit idle or held while the cores are busy, so the starts"
+        " grow with the cores, not with the slots.",
+        f"Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
+        f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
+        f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
+        f" {TARGET_KEPT[2]:g} x those at {TARGET_KEPT[1]}.",
+    ]
+
+
+def observed(results: list[dict]) -> list[str]:
     crashes = sum(len(r["crashes"]) for r in results)
     tracebacks = sum(r["tracebacks"] for r in results)
     abandoned = sum(r["outcomes"]["jobs"].get("Abandoned", 0) for r in results)
@@ -471,67 +519,19 @@ def section(command: str, results: list[dict], args) -> str:
     for r in results:
         errors.update(r["errors"])
     error_text = ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "none"
-    return (
-        f"{SECTION}\n\n"
-        "Reference workers (`SimulatedWorker`, real WebSockets, in the script's process) running"
-        f" short jobs ({args.job_min:g} to {args.job_max:g} s, one eval and one build slot"
-        " each) on the real stack: daphne (`gradient.serve`, one process per core), one"
-        " Celery worker (`-c 2`) and beat as subprocesses, on a database and Redis database"
-        " 11 of the bench's own, all started afresh for each fleet size. A share of the workers"
-        f" ({args.single_share:.0%}) takes single jobs of one project, the rest cluster"
-        " members of another: a queue kept full of singles on one project would leave no idle"
-        " slot for any cluster to be placed on. A feeder thread keeps both queues full through"
-        " `create_jobs` and `submit_cluster` (evaluations and builds; clusters of 2 to 4"
-        " members), topped up every 0.25 s: the smallest queue seen during the window is in its"
-        " column. A member start is a StartCluster received for a held member, a single start"
-        " an AssignJob of a single job; rates are over a"
-        f" {args.window:g} s window after {args.warmup:g} s of warm-up (with an `ANALYZE`"
-        " at its start and middle: the database was emptied moments before, and until"
-        " autovacuum's first round PostgreSQL plans on row estimates of 1). Jobs failed are"
-        " assignments that ended Failed; prepares failed, attempts that ended PrepareFailed;"
-        " both, and the assignments abandoned (all sizes:"
-        f" {abandoned}), counted from the start to the end of the window. Error frames the"
-        f" workers got: {error_text}. Consumers or tasks that crashed (`Exception inside"
-        f" application` in daphne's log, `raised unexpected` in Celery's): {crashes};"
-        f" tracebacks of any kind there: {tracebacks}. Cores used: CPU seconds per second of"
-        " the window, read from `/proc` (daphne; the Celery worker, its pool and beat; the"
-        " PostgreSQL backends serving the bench database; this process, the fleet and the"
-        " feeder). Where the time goes: everything runs on the same 2 cores, shared with other"
-        " work (the load average), and the cores are full at every size; the CPU per start in"
-        " its column is the whole stack's. Two things make it. The offers: every job is offered"
-        " to and scored by each worker that may take it, and with the queue kept full a job"
-        " waits longer than the 10 s within which every worker asks again, so each member job"
-        " is scored by nearly every worker of the clusters' project (the pairs scored per"
-        " start, the score entries of the JobScores the workers sent in the window over the"
-        f" starts in it: {pairs_small:.0f} pairs per start at {small['workers']} workers,"
-        f" {pairs_large:.0f} at {large['workers']}); the section Offer pairs measures what one"
-        " pair costs at least, 21 to 28 µs of CPU over two runs. And the start itself: at"
-        f" {small['workers']} workers, {cpu_small:.0f} ms of CPU per start of which the pairs"
-        " are a small part. On saturated cores each start's work waits its turn: the two slot"
-        " columns are where a member's slot spends its time, waiting for the AssignJob of a"
-        " member after its RequestJob, then holding it until every member of its attempt"
-        " accepted and StartCluster came (the job then runs 0.5 to 1.5 s). Where those waits"
-        " are seconds, the slots are idle or held most of the time while the cores are full,"
-        " so the member starts grow with the cores, not with the slots: 200 member starts a"
-        " second at 500 workers would mean about 80,000 pairs a"
-        " second (400 workers may take each member), 1.7 to 2.2 cores for the pairs, on top of"
-        " the starts' own work. This table's runs have, since the previous one (2026-12-01"
-        " 15:23 UTC, reference loop 0.14 s: 67.9 member starts a second at 100 workers, 36.5 at"
-        " 500), job_score keyed by its pair, list parameters as array literals, the garbage"
-        " collector set for long-running processes and the job rows' active_member flag"
-        " (docs/design.md). From run to run the rates spread widely at the larger sizes: the"
-        " full run before this one, of the same code a quarter of an hour earlier, had 23.2"
-        " member starts a second at 500 workers. Earlier history (the"
-        " acceptances that queued behind offers, the AssignJobs a full channel-layer inbox"
-        " dropped) is in docs/design.md and docs/reliability.md."
-        f" Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
-        f" every fleet size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts per second"
-        f" at 500 workers ({AIM_MEMBER_STARTS:.0f} remains the aim), and at {TARGET_KEPT[0]:,}"
-        f" workers at least {TARGET_KEPT[2]:g} x those at {TARGET_KEPT[1]}.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()} on the same host over TCP, shared with other work"
-        " (load average in the table)\n\n" + common.table(HEADER, rows(results)) + "\n"
-    )
+    return [
+        f"Assignments abandoned, all sizes: {abandoned}. Error frames the workers got:"
+        f" {error_text}.",
+        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
+        f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
+        f" {tracebacks}.",
+    ]
+
+
+def section(command: str, results: list[dict], args) -> str:
+    facts = [*observed(results), *common.run_facts(command, "in the table")]
+    body = common.table(HEADER, rows(results))
+    return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 
 def main() -> None:
@@ -564,6 +564,8 @@ def main() -> None:
         SECTION,
         lambda: section(command, results, args),
         crashed=any(r["crashes"] for r in results),
+        bench=BENCH,
+        figures=figures(results),
     )
 
 
