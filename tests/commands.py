@@ -1,13 +1,23 @@
-"""Operator commands run as real processes against the test database."""
+"""Operator commands run in this process or as real processes against the test database."""
 
+import json
 import os
 import subprocess
 import sys
+from io import StringIO
 from pathlib import Path
 
+from django.core.management import call_command
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args) -> dict:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    (line,) = out.getvalue().splitlines()
+    return json.loads(line)
 
 
 def manage(*args) -> subprocess.CompletedProcess:
