@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from clusters.blame import Blame, blame_for, blame_seats
 from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
@@ -45,6 +46,7 @@ from gradient.jobs.models import (
 from gradient.jobs.transitions import move
 from gradient.logs import ids
 from gradient.postgresql.pipeline import send
+from workers.health import count_success
 
 log = logging.getLogger(__name__)
 
@@ -324,10 +326,19 @@ def member_report(
         if not finished:
             _refuse_unless_settled(attempt, assignment_id, job_id)
             return None
+        blame = blame_for(kind)
         if attempt.started:
             verdict, survivors = _resolve(attempt)
+            if verdict is not None and blame is not None:
+                blame_seats(attempt.id, Blame(blame, assignment_id))
+        if outcome == DispatchedOutcome.COMPLETED:
+            count_success(worker_id)
     if not attempt.started:
-        abort_prepare(attempt.id, f"member {job_id} failed before the start ({kind})")
+        abort_prepare(
+            attempt.id,
+            f"member {job_id} failed before the start ({kind})",
+            None if blame is None else Blame(blame, assignment_id),
+        )
     elif survivors:
         notify_abort(attempt.id, f"attempt decided: {verdict}", survivors)
     return verdict

@@ -1,0 +1,145 @@
+"""Worker health (protocol.md, "Worker health: quarantine at the gang level"): a worker's blamed
+seats in a row, and its quarantine from cluster members.
+
+A worker is quarantined while its quarantined_until lies ahead. An automatic quarantine lasts
+GRADIENT_QUARANTINE_SECS; its streak is left as it was, so once lifted the worker is on
+probation: its next blamed seat makes the streak reach the threshold again and quarantines it at
+once, until a seat of it succeeds. An operator's quarantine lasts until released (FOREVER), and
+a release clears the streak too. Single jobs still reach a quarantined worker.
+"""
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Case, F, Q, Value, When
+from django.utils import timezone
+
+from workers.models import Worker
+
+OPERATOR, AUTOMATIC = "operator", "automatic"
+# An operator's quarantine ends only with --release.
+FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
+
+
+def quarantined_q(now: datetime) -> Q:
+    """The workers quarantined at `now`, for the ORM."""
+    return Q(quarantined_until__gt=now)
+
+
+def quarantined_sql(alias: str) -> str:
+    """The same rule as quarantined_q, in SQL over the worker row `alias`, against %(now)s."""
+    return f"coalesce({alias}.quarantined_until > %(now)s, false)"
+
+
+def is_quarantined(worker: Worker, now: datetime) -> bool:
+    return worker.quarantined_until is not None and worker.quarantined_until > now
+
+
+def quarantine_due(blamed_in_row: int, quarantined: bool, after: int) -> bool:
+    """Whether a worker's blamed seats in a row, counted with its latest, quarantine it now."""
+    return after > 0 and not quarantined and blamed_in_row >= after
+
+
+def on_probation(worker: Worker, now: datetime) -> bool:
+    """Lifted from an automatic quarantine, with no seat succeeded since: its next blamed seat
+    quarantines it again."""
+    after = settings.GRADIENT["QUARANTINE_AFTER"]
+    return (
+        worker.quarantined_by == AUTOMATIC
+        and not is_quarantined(worker, now)
+        and quarantine_due(worker.blamed_in_row, False, after)
+    )
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    since: datetime
+    reason: str | None
+    by: str
+
+
+def quarantine_of(worker: Worker, now: datetime) -> Quarantine | None:
+    if not is_quarantined(worker, now):
+        return None
+    return Quarantine(worker.quarantined_since, worker.quarantine_reason, worker.quarantined_by)
+
+
+# Blamed seats, counted in the transaction that closes their attempts. The rows are locked in id
+# order (two closes blaming the same workers never wait on each other in a circle), and the
+# increment is the UPDATE's own, on the row as last committed: two closes at once both count.
+COUNT_BLAMED_SQL = f"""
+WITH locked AS (
+    SELECT id FROM worker WHERE id = ANY(%(workers)s::bigint[]) ORDER BY id FOR NO KEY UPDATE
+)
+UPDATE worker w SET blamed_in_row = w.blamed_in_row + 1
+FROM locked WHERE w.id = locked.id
+RETURNING w.id, w.blamed_in_row, {quarantined_sql("w")}
+"""
+QUARANTINE_SQL = """
+UPDATE worker SET quarantined_since = %(now)s, quarantined_until = %(until)s,
+                  quarantined_by = %(by)s, quarantine_reason = %(reason)s
+WHERE id = ANY(%(workers)s::bigint[])
+"""
+
+
+def count_blamed(worker_ids, blame: str, now: datetime | None = None) -> list[int]:
+    """One more blamed seat for each of these workers, inside the caller's transaction (the one
+    that closes the attempt); the workers this quarantines, automatically."""
+    if not worker_ids:
+        return []
+    now = now or timezone.now()
+    after = settings.GRADIENT["QUARANTINE_AFTER"]
+    with connection.cursor() as cursor:
+        cursor.execute(COUNT_BLAMED_SQL, {"workers": sorted(set(worker_ids)), "now": now})
+        due = sorted(
+            worker_id
+            for worker_id, streak, quarantined in cursor.fetchall()
+            if quarantine_due(streak, quarantined, after)
+        )
+        if due:
+            cursor.execute(
+                QUARANTINE_SQL,
+                {
+                    "workers": due,
+                    "now": now,
+                    "until": now + timedelta(seconds=settings.GRADIENT["QUARANTINE_SECS"]),
+                    "by": AUTOMATIC,
+                    "reason": f"{after} blamed seats in a row, the last {blame}",
+                },
+            )
+    return due
+
+
+def count_success(worker_id: int) -> None:
+    """A seat of the worker succeeded: its streak starts again (and any probation ends)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE worker SET blamed_in_row = 0 WHERE id = %s AND blamed_in_row <> 0",
+            [worker_id],
+        )
+
+
+def quarantine(worker: Worker, reason: str | None, now: datetime | None = None) -> None:
+    """An operator's quarantine, until released. One already in force keeps its start."""
+    now = now or timezone.now()
+    Worker.objects.filter(pk=worker.pk).update(
+        quarantined_since=Case(
+            When(quarantined_q(now), then=F("quarantined_since")), default=Value(now)
+        ),
+        quarantined_until=FOREVER,
+        quarantined_by=OPERATOR,
+        quarantine_reason=reason,
+    )
+
+
+def release(worker: Worker) -> None:
+    """An operator's release, of either kind of quarantine: no probation follows."""
+    Worker.objects.filter(pk=worker.pk).update(
+        blamed_in_row=0,
+        quarantined_since=None,
+        quarantined_until=None,
+        quarantined_by=None,
+        quarantine_reason=None,
+    )
