@@ -2,6 +2,7 @@
 operator's until released."""
 
 from datetime import timedelta
+from functools import partial
 
 import pytest
 from django.utils import timezone
@@ -161,6 +162,6 @@ def test_two_closes_blaming_one_worker_at_once_both_count():
             held.append(
                 DispatchedJob.objects.get(cluster_attempt_id=claim.attempt_id, worker=flaky)
             )
-        race(*(lambda r=r: coordinator.member_rejected(flaky.pk, r.job_id, "flaky") for r in held))
+        race(*(partial(coordinator.member_rejected, r.worker_id, r.job_id, "flaky") for r in held))
         assert state(flaky).blamed_in_row == 3
         assert quarantined(flaky)
