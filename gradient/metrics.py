@@ -16,6 +16,8 @@ effort: a Redis that is down or slow costs a lost sample, never the pass or the 
                                                     (result="failed")
     gradient_idle_slots{kind}                       gauge, idle slots younger than the TTL
     gradient_connected_workers                      gauge
+    gradient_quarantined_workers{by}                gauge, workers quarantined now, by whom
+    gradient_blamed_seats_total{blame}              counter, seats that ended their attempt
     gradient_dispatch_pass_seconds                  histogram (Redis)
     gradient_signals_forwarded_total                counter (Redis)
     gradient_signals_dropped_total                  counter (Redis)
@@ -316,6 +318,49 @@ def database_metrics():
         "Workers with a live session.",
         value=Worker.objects.filter(channel_name__isnull=False).count(),
     )
+    yield from health_metrics()
+
+
+def health_metrics():
+    """Worker health: the quarantined workers and the blamed seats (which outlive their
+    attempts, so the counter never goes down)."""
+    from clusters.blame import BLAMES
+    from gradient.jobs.models import DispatchedJob
+    from workers.health import AUTOMATIC, OPERATOR, quarantined_q
+    from workers.models import Worker
+
+    quarantined = GaugeMetricFamily(
+        "gradient_quarantined_workers",
+        "Workers quarantined from cluster members now, by whom (operator or automatic).",
+        labels=["by"],
+    )
+    by = dict.fromkeys((AUTOMATIC, OPERATOR), 0)
+    for row in (
+        Worker.objects.filter(quarantined_q(timezone.now()))
+        .order_by()
+        .values("quarantined_by")
+        .annotate(n=Count("pk"))
+    ):
+        by[row["quarantined_by"]] = row["n"]
+    for who, n in by.items():
+        quarantined.add_metric([who], n)
+    yield quarantined
+    blamed = CounterMetricFamily(
+        "gradient_blamed_seats",
+        "Cluster seats blamed for ending their attempt, by how.",
+        labels=["blame"],
+    )
+    counts = dict.fromkeys(BLAMES, 0)
+    for row in (
+        DispatchedJob.objects.filter(blame__isnull=False)
+        .order_by()
+        .values("blame")
+        .annotate(n=Count("pk"))
+    ):
+        counts[row["blame"]] = row["n"]
+    for how, n in counts.items():
+        blamed.add_metric([how], n)
+    yield blamed
 
 
 def redis_metrics():
