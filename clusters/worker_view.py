@@ -6,40 +6,26 @@ from django.utils import timezone
 from clusters.history import iso_utc
 from clusters.models import ClusterMember
 from clusters.tracking import role_indexes
-from gradient.jobs.models import DispatchedJob
-from workers.health import on_probation, quarantine_of
+from workers.health import RECENT_SEATS, on_probation, quarantine_of, seat_rows
 from workers.models import Worker
-
-RECENT_SEATS = 20
 
 
 def recent_seats(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
     """The worker's cluster seats, newest first, each named by its attempt, cluster and
     (role, index), with its outcome and blame."""
-    rows = list(
-        DispatchedJob.objects.filter(worker_id=worker_id, cluster_attempt__isnull=False)
-        .order_by("-dispatched_at", "-id")
-        .values(
-            "cluster_attempt_id",
-            "cluster_attempt__cluster_job_id",
-            "job_id",
-            "outcome",
-            "blame",
-            "dispatched_at",
-        )[:limit]
-    )
+    rows = seat_rows(worker_id, limit)
     members: dict[int, list] = {}
-    clusters = {row["cluster_attempt__cluster_job_id"] for row in rows}
+    clusters = {row["cluster"] for row in rows}
     for member in ClusterMember.objects.filter(cluster_job_id__in=clusters):
         members.setdefault(member.cluster_job_id, []).append(member)
     seat_of = {cluster: role_indexes(ms) for cluster, ms in members.items()}
     out = []
     for row in rows:
-        cluster = row["cluster_attempt__cluster_job_id"]
+        cluster = row["cluster"]
         role, index = seat_of.get(cluster, {}).get(row["job_id"], (None, None))
         out.append(
             {
-                "attempt": str(row["cluster_attempt_id"]),
+                "attempt": str(row["attempt"]),
                 "cluster": cluster,
                 "role": role,
                 "index": index,

@@ -16,6 +16,7 @@ from django.db import connection
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
+from gradient.jobs.models import DispatchedJob
 from workers.models import Worker
 
 OPERATOR, AUTOMATIC = "operator", "automatic"
@@ -142,4 +143,24 @@ def release(worker: Worker) -> None:
         quarantined_until=None,
         quarantined_by=None,
         quarantine_reason=None,
+    )
+
+
+RECENT_SEATS = 20
+
+
+def seat_rows(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
+    """The worker's latest cluster seats, newest first: attempt, cluster, job_id, outcome,
+    blame, dispatched_at."""
+    return list(
+        DispatchedJob.objects.filter(worker_id=worker_id, cluster_attempt__isnull=False)
+        .order_by("-dispatched_at", "-id")
+        .values(
+            "job_id",
+            "outcome",
+            "blame",
+            "dispatched_at",
+            attempt=F("cluster_attempt_id"),
+            cluster=F("cluster_attempt__cluster_job_id"),
+        )[:limit]
     )
