@@ -40,6 +40,9 @@ FLEET_PROCESSES = 5
 WORKERS_PER_PROCESS = 4
 ZONES = "a,b,c"
 HUNG_IN = {FLEET_PROCESSES - 1: 2}  # fleet process -> how many of its workers hang
+# Fleet process -> the ways its flaky workers fail their cluster members (one worker each):
+# the invariants must hold while the server blames and quarantines them.
+FLAKY_IN = {0: "reject", 1: "lose"}
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Stack:
                 "--url": ",".join(self.urls),
                 "--log": self.events_path(i),
                 "--hung": HUNG_IN.get(i, 0),
+                "--flaky": FLAKY_IN.get(i, ""),
             }
             options = [str(part) for option in fleet.items() for part in option]
             self._define(f"fleet-{i}", [python, "-m", "tests.faults.fleet_proc", *options])

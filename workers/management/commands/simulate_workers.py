@@ -169,7 +169,7 @@ def worker_configs(names: list[str], o: dict) -> dict[str, WorkerConfig]:
 
 # The two ways a flaky machine fails a cluster, taken in turn by the flaky workers: it refuses
 # every member, or it loses them with its connection at the start.
-FLAKY_WAYS = ({"reject_rate": 1.0}, {"loses_members": True})
+FLAKY_WAYS = {"reject": {"reject_rate": 1.0}, "lose": {"loses_members": True}}
 
 
 def flaky_workers(names: list[str], share: float) -> dict[str, dict]:
@@ -177,7 +177,8 @@ def flaky_workers(names: list[str], share: float) -> dict[str, dict]:
     failing (FLAKY_WAYS, in turn): name -> WorkerConfig overrides."""
     count = round(share * len(names))
     chosen = [names[i * len(names) // count] for i in range(count)] if count else []
-    return {name: FLAKY_WAYS[i % len(FLAKY_WAYS)] for i, name in enumerate(chosen)}
+    ways = list(FLAKY_WAYS.values())
+    return {name: ways[i % len(ways)] for i, name in enumerate(chosen)}
 
 
 def check_run_options(o: dict) -> None:
