@@ -56,6 +56,9 @@ def make_fleet(count: int, flaky: int) -> list[tuple[str, str, object]]:
         job_secs=(0.2, 0.5),
         score=lambda name, job: (0, 0),
         backoff=(0.2, 1.0),
+        # A refusing worker asks again at its next heartbeat: every second, not every 10 s, so
+        # that it is seated again as soon as a healthy one would be.
+        heartbeat_secs=1.0,
         max_events=100,
     )
     return [(n, f"t-{n}", replace(base, **ways.get(n, {}))) for n in names]
