@@ -247,6 +247,15 @@ def _with_tally(histogram, label: str, tally, metric: str):
     return pairs, total + tally.get((metric, f"{label}|sum"), 0.0)
 
 
+def _counted(queryset, field: str, labels) -> dict:
+    """The rows of `queryset` counted by `field`, in one aggregate, every label given (0 when
+    none), so a series never disappears from a scrape."""
+    counts = dict.fromkeys(labels, 0)
+    for row in queryset.order_by().values(field).annotate(n=Count("pk")):
+        counts[row[field]] = row["n"]
+    return counts
+
+
 def database_metrics():
     from clusters.models import ClusterJob, ClusterStatus
     from gradient.jobs.models import JobKind
@@ -301,15 +310,8 @@ def database_metrics():
         "Idle slots recorded within GRADIENT_IDLE_SLOT_TTL_SECS, by kind.",
         labels=["kind"],
     )
-    by_kind = dict.fromkeys(JobKind.values, 0)
-    for row in (
-        IdleSlot.objects.filter(recorded_at__gte=since)
-        .order_by()
-        .values("kind")
-        .annotate(n=Count("pk"))
-    ):
-        by_kind[row["kind"]] = row["n"]
-    for kind, n in by_kind.items():
+    slots = IdleSlot.objects.filter(recorded_at__gte=since)
+    for kind, n in _counted(slots, "kind", JobKind.values).items():
         idle.add_metric([kind], n)
     yield idle
 
@@ -334,15 +336,8 @@ def health_metrics():
         "Workers quarantined from cluster members now, by whom (operator or automatic).",
         labels=["by"],
     )
-    by = dict.fromkeys((AUTOMATIC, OPERATOR), 0)
-    for row in (
-        Worker.objects.filter(quarantined_q(timezone.now()))
-        .order_by()
-        .values("quarantined_by")
-        .annotate(n=Count("pk"))
-    ):
-        by[row["quarantined_by"]] = row["n"]
-    for who, n in by.items():
+    now_quarantined = Worker.objects.filter(quarantined_q(timezone.now()))
+    for who, n in _counted(now_quarantined, "quarantined_by", (AUTOMATIC, OPERATOR)).items():
         quarantined.add_metric([who], n)
     yield quarantined
     blamed = CounterMetricFamily(
@@ -350,15 +345,8 @@ def health_metrics():
         "Cluster seats blamed for ending their attempt, by how.",
         labels=["blame"],
     )
-    counts = dict.fromkeys(BLAMES, 0)
-    for row in (
-        DispatchedJob.objects.filter(blame__isnull=False)
-        .order_by()
-        .values("blame")
-        .annotate(n=Count("pk"))
-    ):
-        counts[row["blame"]] = row["n"]
-    for how, n in counts.items():
+    seats = DispatchedJob.objects.filter(blame__isnull=False)
+    for how, n in _counted(seats, "blame", BLAMES).items():
         blamed.add_metric([how], n)
     yield blamed
 

@@ -92,13 +92,18 @@ def test_a_quarantined_worker_still_gets_single_jobs():
     assert DispatchedJob.objects.get(job_id=job.job_key).worker_id == sick.pk
 
 
-def test_a_reservation_never_takes_a_quarantined_worker():
+def overdue_cluster():
+    """A cluster of two builds waiting past GRADIENT_CLUSTER_RESERVE_AFTER_SECS."""
     cluster = ClusterFactory()
     for role in ("server", "client"):
         BuildMemberFactory(cluster_job=cluster, role=role)
     ClusterJob.objects.filter(pk=cluster.pk).update(
         waiting_since=timezone.now() - timedelta(seconds=120)
     )
+
+
+def test_a_reservation_never_takes_a_quarantined_worker():
+    overdue_cluster()
     busy = [WorkerFactory(channel_name="live", last_seen_at=timezone.now()) for _ in range(3)]
     health.quarantine(busy[0], "flaky")
     assert run_pass().reservation == "reserved"
@@ -107,12 +112,7 @@ def test_a_reservation_never_takes_a_quarantined_worker():
 
 
 def test_a_reservation_whose_seat_is_quarantined_is_released():
-    cluster = ClusterFactory()
-    for role in ("server", "client"):
-        BuildMemberFactory(cluster_job=cluster, role=role)
-    ClusterJob.objects.filter(pk=cluster.pk).update(
-        waiting_since=timezone.now() - timedelta(seconds=120)
-    )
+    overdue_cluster()
     busy = [WorkerFactory(channel_name="live", last_seen_at=timezone.now()) for _ in range(2)]
     assert run_pass().reservation == "reserved"
     health.quarantine(busy[0], "flaky")
