@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from clusters.verdict import LOST
 from gradient.logs import ids
-from workers.health import count_blamed
+from workers.health import COUNT_BLAMED_SQL, quarantine_counted
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +45,28 @@ class Blame:
     seat: uuid.UUID | None = None
 
 
-BLAME_SQL = """
-UPDATE dispatched_job SET blame = %(how)s
-WHERE cluster_attempt_id = %(attempt)s AND blame IS NULL
-  AND CASE WHEN %(seat)s::uuid IS NULL THEN accepted_at IS NULL ELSE id = %(seat)s::uuid END
-RETURNING worker_id
-"""
+BLAME_SQL = (
+    """
+WITH blamed AS (
+    UPDATE dispatched_job SET blame = %(how)s
+    WHERE cluster_attempt_id = %(attempt)s AND blame IS NULL
+      AND CASE WHEN %(seat)s::uuid IS NULL THEN accepted_at IS NULL
+               ELSE id = %(seat)s::uuid END
+    RETURNING worker_id
+)"""
+    + COUNT_BLAMED_SQL
+)
 
 
 def blame_seats(attempt_id, blame: Blame, now: datetime | None = None) -> list[int]:
     """Blame the seat(s) that ended the attempt, inside the transaction that closed it, and
-    count it against their workers; the workers this quarantined."""
+    count it against their workers, in one statement; the workers this quarantined."""
+    now = now or timezone.now()
+    params = {"how": blame.how, "attempt": attempt_id, "seat": blame.seat, "now": now}
     with connection.cursor() as cursor:
-        cursor.execute(BLAME_SQL, {"how": blame.how, "attempt": attempt_id, "seat": blame.seat})
-        workers = [row[0] for row in cursor.fetchall()]
-    quarantined = count_blamed(workers, blame.how, now or timezone.now())
+        cursor.execute(BLAME_SQL, params)
+        counted = cursor.fetchall()
+    quarantined = quarantine_counted(counted, blame.how, now)
     if quarantined:
         log.info(
             "quarantined worker(s) %s after attempt %s (%s)",

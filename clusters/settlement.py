@@ -46,7 +46,7 @@ from gradient.jobs.models import (
 from gradient.jobs.transitions import move
 from gradient.logs import ids
 from gradient.postgresql.pipeline import send
-from workers.health import count_success
+from workers.health import COUNT_SUCCESS_SQL
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,10 @@ ORDER BY d.job_id
 """
 ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
 
-# A member's report opens its transaction with these four statements, sent together (a
-# psycopg pipeline: one round trip). Each runs on a snapshot taken when it starts, so the
-# ones after the lock see every report committed before it.
+# A member's report opens its transaction with these four statements (a fifth for a success:
+# workers.health.COUNT_SUCCESS_SQL), sent together (a psycopg pipeline: one round trip). Each
+# runs on a snapshot taken when it starts, so the ones after the lock see every report
+# committed before it.
 # The reporting row's attempt: the row is this worker's, of this job, under this id.
 REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
                        WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
@@ -268,6 +269,8 @@ def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Att
         send(BOUND_LOCK_WAITS_SQL, params)
         send(LOCK_ATTEMPT_SQL, params)
         finish = send(FINISH_SQL, params)
+        if outcome == DispatchedOutcome.COMPLETED:
+            send(COUNT_SUCCESS_SQL, params)
         members = send(REPORTED_MEMBERS_SQL, params)
     rows = members.fetchall()
     if not rows:
@@ -331,8 +334,6 @@ def member_report(
             verdict, survivors = _resolve(attempt)
             if verdict is not None and blame is not None:
                 blame_seats(attempt.id, Blame(blame, assignment_id))
-        if outcome == DispatchedOutcome.COMPLETED:
-            count_success(worker_id)
     if not attempt.started:
         abort_prepare(
             attempt.id,

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from clusters import coordinator
 from clusters.claim import claim_cluster
+from clusters.settlement import member_report
 from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import claim_for, make_cluster
 from tests.concurrency import race
@@ -37,8 +38,15 @@ def reject_on(flaky) -> None:
 
 
 def succeed_on(worker) -> None:
-    """A seat of the worker that succeeds, as a member's JobCompleted counts it."""
-    health.count_success(worker.pk)
+    """A cluster started on the worker and a healthy one; the worker's member completes."""
+    cluster = make_cluster()
+    claim = claim_for(cluster, [worker, WorkerFactory()])
+    assert claim_cluster(claim)
+    rows = DispatchedJob.objects.filter(cluster_attempt_id=claim.attempt_id)
+    for row in rows:
+        coordinator.accept_assignment(row.worker_id, row.job_id)
+    row = rows.get(worker=worker)
+    member_report(worker.pk, row.job_id, row.pk, "Completed")
 
 
 def state(worker) -> Worker:

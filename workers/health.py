@@ -67,12 +67,14 @@ def quarantine_of(worker: Worker, now: datetime) -> Quarantine | None:
     return Quarantine(worker.quarantined_since, worker.quarantine_reason, worker.quarantined_by)
 
 
-# Blamed seats, counted in the transaction that closes their attempts. The rows are locked in id
-# order (two closes blaming the same workers never wait on each other in a circle), and the
-# increment is the UPDATE's own, on the row as last committed: two closes at once both count.
+# Blamed seats, counted in the transaction that closes their attempts, after the seats' own
+# write (`blamed`, a CTE of the caller's yielding worker_id). The rows are locked in id order
+# (two closes blaming the same workers never wait on each other in a circle), and the increment
+# is the UPDATE's own, on the row as last committed: two closes at once both count.
 COUNT_BLAMED_SQL = f"""
-WITH locked AS (
-    SELECT id FROM worker WHERE id = ANY(%(workers)s::bigint[]) ORDER BY id FOR NO KEY UPDATE
+, locked AS (
+    SELECT id FROM worker WHERE id IN (SELECT worker_id FROM blamed) ORDER BY id
+    FOR NO KEY UPDATE
 )
 UPDATE worker w SET blamed_in_row = w.blamed_in_row + 1
 FROM locked WHERE w.id = locked.id
@@ -85,21 +87,15 @@ WHERE id = ANY(%(workers)s::bigint[])
 """
 
 
-def count_blamed(worker_ids, blame: str, now: datetime | None = None) -> list[int]:
-    """One more blamed seat for each of these workers, inside the caller's transaction (the one
-    that closes the attempt); the workers this quarantines, automatically."""
-    if not worker_ids:
-        return []
-    now = now or timezone.now()
+def quarantine_counted(counted, blame: str, now: datetime) -> list[int]:
+    """COUNT_BLAMED_SQL's rows (worker, its blamed seats in a row, quarantined now) in, the
+    workers they quarantine automatically out, written under the count's lock."""
     after = settings.GRADIENT["QUARANTINE_AFTER"]
-    with connection.cursor() as cursor:
-        cursor.execute(COUNT_BLAMED_SQL, {"workers": sorted(set(worker_ids)), "now": now})
-        due = sorted(
-            worker_id
-            for worker_id, streak, quarantined in cursor.fetchall()
-            if quarantine_due(streak, quarantined, after)
-        )
-        if due:
+    due = sorted(
+        w for w, streak, quarantined in counted if quarantine_due(streak, quarantined, after)
+    )
+    if due:
+        with connection.cursor() as cursor:
             cursor.execute(
                 QUARANTINE_SQL,
                 {
@@ -113,13 +109,14 @@ def count_blamed(worker_ids, blame: str, now: datetime | None = None) -> list[in
     return due
 
 
-def count_success(worker_id: int) -> None:
-    """A seat of the worker succeeded: its streak starts again (and any probation ends)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE worker SET blamed_in_row = 0 WHERE id = %s AND blamed_in_row <> 0",
-            [worker_id],
-        )
+# A seat of the worker succeeded (its report finished its row Completed at %(finish_at)s, in an
+# earlier statement of the same transaction): its streak starts again, and any probation ends.
+COUNT_SUCCESS_SQL = """
+UPDATE worker SET blamed_in_row = 0
+WHERE id = %(worker)s AND blamed_in_row <> 0 AND EXISTS (
+    SELECT 1 FROM dispatched_job d WHERE d.id = %(id)s AND d.worker_id = %(worker)s
+      AND d.outcome = 'Completed' AND d.finished_at = %(finish_at)s)
+"""
 
 
 def quarantine(worker: Worker, reason: str | None, now: datetime | None = None) -> None:
