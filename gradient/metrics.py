@@ -247,7 +247,7 @@ def _with_tally(histogram, label: str, tally, metric: str):
     return pairs, total + tally.get((metric, f"{label}|sum"), 0.0)
 
 
-def _counted(queryset, field: str, labels) -> dict:
+def counted(queryset, field: str, labels) -> dict:
     """The rows of `queryset` counted by `field`, in one aggregate, every label given (0 when
     none), so a series never disappears from a scrape."""
     counts = dict.fromkeys(labels, 0)
@@ -311,7 +311,7 @@ def database_metrics():
         labels=["kind"],
     )
     slots = IdleSlot.objects.filter(recorded_at__gte=since)
-    for kind, n in _counted(slots, "kind", JobKind.values).items():
+    for kind, n in counted(slots, "kind", JobKind.values).items():
         idle.add_metric([kind], n)
     yield idle
 
@@ -320,35 +320,9 @@ def database_metrics():
         "Workers with a live session.",
         value=Worker.objects.filter(channel_name__isnull=False).count(),
     )
+    from gradient.metrics_health import health_metrics
+
     yield from health_metrics()
-
-
-def health_metrics():
-    """Worker health: the quarantined workers and the blamed seats (which outlive their
-    attempts, so the counter never goes down)."""
-    from clusters.blame import BLAMES
-    from gradient.jobs.models import DispatchedJob
-    from workers.health import AUTOMATIC, OPERATOR, quarantined_q
-    from workers.models import Worker
-
-    quarantined = GaugeMetricFamily(
-        "gradient_quarantined_workers",
-        "Workers quarantined from cluster members now, by whom (operator or automatic).",
-        labels=["by"],
-    )
-    now_quarantined = Worker.objects.filter(quarantined_q(timezone.now()))
-    for who, n in _counted(now_quarantined, "quarantined_by", (AUTOMATIC, OPERATOR)).items():
-        quarantined.add_metric([who], n)
-    yield quarantined
-    blamed = CounterMetricFamily(
-        "gradient_blamed_seats",
-        "Cluster seats blamed for ending their attempt, by how.",
-        labels=["blame"],
-    )
-    seats = DispatchedJob.objects.filter(blame__isnull=False)
-    for how, n in _counted(seats, "blame", BLAMES).items():
-        blamed.add_metric([how], n)
-    yield blamed
 
 
 def redis_metrics():
