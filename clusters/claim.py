@@ -8,6 +8,9 @@ never member jobs), then locks its cluster, but only to insert a new attempt, wh
 with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
 job-key order. A batch of claims takes each step for all its clusters at once, in the same
 order: every seat by (worker, kind), the clusters by id, the members by job key, the builds.
+A close that blames seats locks their workers' rows last, in id order (clusters.blame); a
+member's success locks its worker's row after its own row, and no lock of another attempt's
+cluster or jobs ever waits behind it.
 """
 
 import json
