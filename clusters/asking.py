@@ -283,6 +283,7 @@ def _profile(worker: planner.Worker) -> tuple:
         worker.projects,
         worker.can_eval,
         worker.can_build,
+        worker.quarantined,
     )
 
 

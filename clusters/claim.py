@@ -8,6 +8,9 @@ never member jobs), then locks its cluster, but only to insert a new attempt, wh
 with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
 job-key order. A batch of claims takes each step for all its clusters at once, in the same
 order: every seat by (worker, kind), the clusters by id, the members by job key, the builds.
+A close that blames seats locks their workers' rows last, in id order (clusters.blame); a
+member's success locks its worker's row after its own row, and no lock of another attempt's
+cluster or jobs ever waits behind it.
 """
 
 import json
@@ -21,6 +24,7 @@ from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
+from clusters.blame import Blame, blame_seats
 from clusters.models import (
     ATTEMPT_MACHINE,
     CLUSTER_CLAIMABLE,
@@ -328,17 +332,20 @@ def release_members(attempt_id) -> None:
     advance_evaluations(evaluations, EvaluationStatus.QUEUED, RELEASED_FROM[JobKind.EVAL])
 
 
-def fail_prepare_attempt(attempt_id) -> bool:
+def fail_prepare_attempt(attempt_id, blame: Blame | None = None) -> bool:
     """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
     failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
     builds back. The spec also puts a Running cluster back to Queued; a cluster goes Running
     only when its attempt starts (ACCEPT_SQL in clusters.coordinator), so the cluster of an
     unstarted attempt is still Queued and nothing is written to it. Failed prepares are not
     counted (the counter moves at the start too), and the backoff runs from this attempt's
-    finished_at. False if the attempt had started or was closed already: nothing changes."""
+    finished_at. The seat that failed it (`blame`) is blamed in the same transaction. False
+    if the attempt had started or was closed already: nothing changes."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
         if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED):
             release_members(attempt_id)
+            if blame is not None:
+                blame_seats(attempt_id, blame)
             return True
     return False

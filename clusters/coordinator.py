@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from clusters.blame import PREPARE_TIMEOUT, REJECTED, Blame
 from clusters.claim import fail_prepare_attempt
 from clusters.models import (
     ATTEMPT_MACHINE,
@@ -179,11 +180,11 @@ def _send_start(attempt_id, seats) -> None:
     )
 
 
-def abort_prepare(attempt_id, reason: str) -> bool:
+def abort_prepare(attempt_id, reason: str, blame: Blame | None = None) -> bool:
     """A reject, the prepare timeout, or a held member's failure: the attempt closes
-    PrepareFailed and every member is told to drop its hold. False when the attempt had
-    started or closed already (then this is not a failed prepare)."""
-    if not fail_prepare_attempt(attempt_id):
+    PrepareFailed (blaming the seat that failed it) and every member is told to drop its hold.
+    False when the attempt had started or closed already (then this is not a failed prepare)."""
+    if not fail_prepare_attempt(attempt_id, blame):
         return False
     notify_abort(attempt_id, reason)
     log.info("attempt %s prepare failed: %s", attempt_id, reason, extra=ids(attempt=attempt_id))
@@ -198,7 +199,8 @@ def expire_overdue_prepares(now=None) -> list:
     overdue = ClusterAttempt.objects.filter(
         finished_at__isnull=True, started_at__isnull=True, created_at__lt=deadline
     ).values_list("pk", flat=True)
-    return [pk for pk in overdue if abort_prepare(pk, "prepare timed out")]
+    timeout = Blame(PREPARE_TIMEOUT)
+    return [pk for pk in overdue if abort_prepare(pk, "prepare timed out", timeout)]
 
 
 def notify_abort(attempt_id, reason: str, workers=None) -> None:
@@ -219,12 +221,16 @@ def member_rejected(worker_id: int, job_id: str, reason: str | None) -> None:
             finished_at__isnull=True,
             cluster_attempt__isnull=False,
         )
-        .values("cluster_attempt_id")
+        .values("cluster_attempt_id", "id")
         .first()
     )
     if row is None:
         raise NotAllowed(f"{job_id} is not held by this worker")
-    abort_prepare(row["cluster_attempt_id"], f"member {job_id} rejected: {reason or 'no reason'}")
+    abort_prepare(
+        row["cluster_attempt_id"],
+        f"member {job_id} rejected: {reason or 'no reason'}",
+        Blame(REJECTED, row["id"]),
+    )
 
 
 def forward_signal(worker_id: int, attempt: str, to: MemberRef | None, payload) -> int:

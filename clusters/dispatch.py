@@ -41,6 +41,7 @@ from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import JobKind
 from gradient.logs import ids
 from workers.groups import send_frames
+from workers.health import quarantined_sql
 from workers.protocol import AssignJob, ClusterHold, JobSpec
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class PassResult:
 # The connected workers with a live idle slot, with what the planner asks of them.
 IDLE_WORKERS_SQL = """
 SELECT w.id, w.name, w.zone, w.architectures, w.system_features, w.all_projects,
-       w.can_eval, w.can_build, array_agg(s.kind)
+       w.can_eval, w.can_build, array_agg(s.kind), {quarantined}
 FROM idle_slot s
 JOIN worker w ON w.id = s.worker_id
 WHERE s.recorded_at >= %(fresh)s
@@ -75,7 +76,7 @@ WHERE s.recorded_at >= %(fresh)s
   AND w.id <> ALL(%(reserved)s::bigint[])
 GROUP BY w.id
 ORDER BY w.id
-"""
+""".format(quarantined=quarantined_sql("w"))
 
 # The workers that did not accept in any of each cluster's failed prepares since its last
 # attempt that started (planner.Cluster.avoid). Not the last prepare's alone: with two workers
@@ -104,6 +105,7 @@ class _IdleWorker(NamedTuple):
     can_eval: bool
     can_build: bool
     kinds: list[str]
+    quarantined: bool
 
 
 def snapshot(
@@ -117,7 +119,9 @@ def snapshot(
     keys = [m.key for c in clusters for m in c.members]
     access: dict[int, set[int]] = {}
     with connection.cursor() as cursor:
-        cursor.execute(IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved)})
+        cursor.execute(
+            IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved), "now": now}
+        )
         idle = [_IdleWorker._make(row) for row in cursor.fetchall()]
         limited = [w.pk for w in idle if not w.all_projects]
         if limited:
@@ -146,7 +150,10 @@ def snapshot(
         scores.read()
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
-        workers=tuple(planned_worker(w, w.kinds, frozenset(access.get(w.pk, ()))) for w in idle),
+        workers=tuple(
+            planned_worker(w, w.kinds, frozenset(access.get(w.pk, ())), quarantined=w.quarantined)
+            for w in idle
+        ),
         score_arrays=scores,
         truncated=scores.truncated,
         load_scores=all_scores,

@@ -21,8 +21,9 @@ from django.utils import timezone
 from clusters import planner, reservation
 from clusters.history import iso_utc
 from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
-from clusters.tracking import STARTABLE_SQL, role_indexes
+from clusters.tracking import STARTABLE_SQL, planned_worker, role_indexes
 from gradient.jobs.models import DispatchedJob
+from workers.health import is_quarantined
 from workers.models import Worker
 
 # Up to this many members the blocking set is the smallest one, found by trying every subset.
@@ -187,16 +188,11 @@ def _connected(now) -> list[_Connected]:
         .order_by("name")
     ):
         slots = {s.kind: s.recorded_at >= fresh for s in w.idle_slots.all()}
-        view = planner.Worker(
-            id=w.pk,
-            name=w.name,
-            zone=w.zone,
-            idle_kinds=frozenset(kind for kind, live in slots.items() if live),
-            architectures=frozenset(w.architectures),
-            features=frozenset(w.system_features),
-            projects=None if w.all_projects else frozenset(p.pk for p in w.projects.all()),
-            can_eval=w.can_eval,
-            can_build=w.can_build,
+        view = planned_worker(
+            w,
+            (kind for kind, live in slots.items() if live),
+            frozenset(p.pk for p in w.projects.all()),
+            quarantined=is_quarantined(w, now),
         )
         stale = frozenset(kind for kind, live in slots.items() if not live)
         out.append(_Connected(view, frozenset(slots), stale, w.draining))
@@ -213,6 +209,8 @@ def _reason(member: planner.Member, worker: _Connected, seats: set[int], reserve
     zone aside)."""
     if worker.view.id in seats:
         return None
+    if worker.view.quarantined:
+        return planner.QUARANTINED
     if member.kind not in worker.slots:
         return "no idle slot of that kind"
     if member.kind in worker.stale:

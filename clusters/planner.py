@@ -24,6 +24,8 @@ from clusters.pool import KINDS, Pool
 # What a never-scored seat adds to Placement.cost: more than any sum of real sizes (each below
 # 2**63, a bigint column), so a seating with fewer unscored seats always costs less.
 UNSCORED_COST = 2**80
+# Why a quarantined worker seats no member (workers.health), the first reason given.
+QUARANTINED = "quarantined"
 
 
 # One job key's scores: worker ids and their missing_nar_size, sorted by (size, worker id).
@@ -64,6 +66,8 @@ class Worker:
     projects: frozenset[int] | None  # None = may access every project
     can_eval: bool
     can_build: bool
+    # Quarantined (workers.health): seats no member, whatever else it could do.
+    quarantined: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class Placement:
 
 def seat_reason(member: Member, worker: Worker) -> str | None:
     """None if the worker is a seat for the member, else the first reason it is not."""
+    if worker.quarantined:
+        return QUARANTINED
     if member.kind not in worker.idle_kinds:
         return "no idle slot of that kind"
     if member.pin is not None and member.pin != worker.name:

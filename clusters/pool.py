@@ -140,8 +140,8 @@ class Pool:
 
 
 def _takes(worker: Worker, kind: str) -> bool:
-    """An idle slot of the kind and the capability to run it."""
-    return kind in worker.idle_kinds and getattr(worker, KINDS[kind])
+    """An idle slot of the kind and the capability to run it, and not quarantined."""
+    return kind in worker.idle_kinds and not worker.quarantined and getattr(worker, KINDS[kind])
 
 
 def _inverted(workers: tuple[Worker, ...], values) -> dict:

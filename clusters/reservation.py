@@ -6,7 +6,8 @@ The reservation is a row (one active at a time, by a partial unique index), so e
 sees it and a restart keeps it. Reserved workers keep their running jobs but get no new single
 job of the reserved kind; once every seat is idle, the reservation commits like an ordinary
 placement. It is released after GRADIENT_CLUSTER_RESERVE_TIMEOUT_SECS, when a seat's worker
-disconnects, or when the cluster leaves the queue; the next pass can then reserve again.
+disconnects or is quarantined, or when the cluster leaves the queue; the next pass can then
+reserve again.
 """
 
 import logging
@@ -21,6 +22,7 @@ from clusters import planner
 from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
 from clusters.tracking import StartableCluster, planned_cluster, planned_worker
 from gradient.logs import ids
+from workers.health import is_quarantined, quarantined_q
 from workers.models import IdleSlot, JobScore, Worker
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ def release(reservation_id, reason: str) -> bool:
 def release_stale(now) -> str | None:
     """Release the active reservation when it timed out, a seat's worker disconnected, its
     cluster left the queue (finished, aborted, or claimed: an open attempt), or its members
-    are no longer the seats' jobs (it could never commit); the reason."""
+    are no longer the seats' jobs (it could never commit), or a seat's worker was quarantined;
+    the reason."""
     active = active_reservation()
     if active is None:
         return None
@@ -64,6 +67,10 @@ def release_stale(now) -> str | None:
         pk__in=active.seats.values("worker_id"),
     ).exists():
         reason = "a seat's worker disconnected"
+    elif Worker.objects.filter(
+        quarantined_q(now), pk__in=active.seats.values("worker_id")
+    ).exists():
+        reason = "a seat's worker was quarantined"
     elif (
         cluster.status != ClusterStatus.QUEUED
         or cluster.attempts_made.filter(finished_at__isnull=True).exists()
@@ -116,6 +123,7 @@ def target(cluster: StartableCluster, now) -> planner.Placement | None:
                 w,
                 (k for k, can in (("eval", w.can_eval), ("build", w.can_build)) if can),
                 frozenset(p.pk for p in w.projects.all()),
+                quarantined=is_quarantined(w, now),
             )
             for w in workers
         ),

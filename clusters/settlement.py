@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from clusters.blame import Blame, blame_for, blame_seats
 from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
@@ -45,6 +46,7 @@ from gradient.jobs.models import (
 from gradient.jobs.transitions import move
 from gradient.logs import ids
 from gradient.postgresql.pipeline import send
+from workers.health import COUNT_SUCCESS_SQL
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,10 @@ ORDER BY d.job_id
 """
 ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
 
-# A member's report opens its transaction with these four statements, sent together (a
-# psycopg pipeline: one round trip). Each runs on a snapshot taken when it starts, so the
-# ones after the lock see every report committed before it.
+# A member's report opens its transaction with these four statements (a fifth for a success:
+# workers.health.COUNT_SUCCESS_SQL), sent together (a psycopg pipeline: one round trip). Each
+# runs on a snapshot taken when it starts, so the ones after the lock see every report
+# committed before it.
 # The reporting row's attempt: the row is this worker's, of this job, under this id.
 REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
                        WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
@@ -266,6 +269,8 @@ def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Att
         send(BOUND_LOCK_WAITS_SQL, params)
         send(LOCK_ATTEMPT_SQL, params)
         finish = send(FINISH_SQL, params)
+        if outcome == DispatchedOutcome.COMPLETED:
+            send(COUNT_SUCCESS_SQL, params)
         members = send(REPORTED_MEMBERS_SQL, params)
     rows = members.fetchall()
     if not rows:
@@ -324,10 +329,17 @@ def member_report(
         if not finished:
             _refuse_unless_settled(attempt, assignment_id, job_id)
             return None
+        blame = blame_for(kind)
         if attempt.started:
             verdict, survivors = _resolve(attempt)
+            if verdict is not None and blame is not None:
+                blame_seats(attempt.id, Blame(blame, assignment_id))
     if not attempt.started:
-        abort_prepare(attempt.id, f"member {job_id} failed before the start ({kind})")
+        abort_prepare(
+            attempt.id,
+            f"member {job_id} failed before the start ({kind})",
+            None if blame is None else Blame(blame, assignment_id),
+        )
     elif survivors:
         notify_abort(attempt.id, f"attempt decided: {verdict}", survivors)
     return verdict

@@ -73,7 +73,9 @@ def planned_cluster(cluster: StartableCluster, avoid: frozenset[int] = frozenset
     )
 
 
-def planned_worker(w, idle_kinds, projects: frozenset[int] | None) -> planner.Worker:
+def planned_worker(
+    w, idle_kinds, projects: frozenset[int] | None, *, quarantined: bool = False
+) -> planner.Worker:
     """A Worker row as the planner sees it; `projects` None when it may access every one."""
     return planner.Worker(
         id=w.pk,
@@ -85,6 +87,7 @@ def planned_worker(w, idle_kinds, projects: frozenset[int] | None) -> planner.Wo
         projects=None if w.all_projects else projects,
         can_eval=w.can_eval,
         can_build=w.can_build,
+        quarantined=quarantined,
     )
 
 

@@ -16,6 +16,8 @@ effort: a Redis that is down or slow costs a lost sample, never the pass or the 
                                                     (result="failed")
     gradient_idle_slots{kind}                       gauge, idle slots younger than the TTL
     gradient_connected_workers                      gauge
+    gradient_quarantined_workers{by}                gauge, workers quarantined now, by whom
+    gradient_blamed_seats_total{blame}              counter, seats that ended their attempt
     gradient_dispatch_pass_seconds                  histogram (Redis)
     gradient_signals_forwarded_total                counter (Redis)
     gradient_signals_dropped_total                  counter (Redis)
@@ -245,6 +247,15 @@ def _with_tally(histogram, label: str, tally, metric: str):
     return pairs, total + tally.get((metric, f"{label}|sum"), 0.0)
 
 
+def counted(queryset, field: str, labels) -> dict:
+    """The rows of `queryset` counted by `field`, in one aggregate, every label given (0 when
+    none), so a series never disappears from a scrape."""
+    counts = dict.fromkeys(labels, 0)
+    for row in queryset.order_by().values(field).annotate(n=Count("pk")):
+        counts[row[field]] = row["n"]
+    return counts
+
+
 def database_metrics():
     from clusters.models import ClusterJob, ClusterStatus
     from gradient.jobs.models import JobKind
@@ -299,15 +310,8 @@ def database_metrics():
         "Idle slots recorded within GRADIENT_IDLE_SLOT_TTL_SECS, by kind.",
         labels=["kind"],
     )
-    by_kind = dict.fromkeys(JobKind.values, 0)
-    for row in (
-        IdleSlot.objects.filter(recorded_at__gte=since)
-        .order_by()
-        .values("kind")
-        .annotate(n=Count("pk"))
-    ):
-        by_kind[row["kind"]] = row["n"]
-    for kind, n in by_kind.items():
+    slots = IdleSlot.objects.filter(recorded_at__gte=since)
+    for kind, n in counted(slots, "kind", JobKind.values).items():
         idle.add_metric([kind], n)
     yield idle
 
@@ -316,6 +320,9 @@ def database_metrics():
         "Workers with a live session.",
         value=Worker.objects.filter(channel_name__isnull=False).count(),
     )
+    from gradient.metrics_health import health_metrics
+
+    yield from health_metrics()
 
 
 def redis_metrics():

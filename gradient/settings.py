@@ -178,6 +178,10 @@ GRADIENT = {
     "OFFER_WINDOW": env.int("GRADIENT_OFFER_WINDOW", 32),
     # How long the pass waits for an idle seat's scores of a cluster it has just offered.
     "SCORE_WAIT_MS": env.int("GRADIENT_SCORE_WAIT_MS", 1000),
+    # Worker health (protocol.md): blamed seats in a row that quarantine a worker from cluster
+    # members (0 disables), and how long an automatic quarantine lasts.
+    "QUARANTINE_AFTER": env.int("GRADIENT_QUARANTINE_AFTER", 3),
+    "QUARANTINE_SECS": env.float("GRADIENT_QUARANTINE_SECS", 3600),
     # Bounds how long a claim or close waits on a row lock before it gives up (and loses).
     "CLAIM_LOCK_TIMEOUT_MS": env.int("GRADIENT_CLAIM_LOCK_TIMEOUT_MS", 5_000),
     # Failed assignments after which a requeueing failure becomes permanent (per job).
@@ -191,6 +195,10 @@ if GRADIENT["OFFER_WINDOW"] < 1:
     raise ImproperlyConfigured("GRADIENT_OFFER_WINDOW must be at least 1")
 if GRADIENT["SCORE_WAIT_MS"] < 0:
     raise ImproperlyConfigured("GRADIENT_SCORE_WAIT_MS must not be negative")
+if GRADIENT["QUARANTINE_AFTER"] < 0:
+    raise ImproperlyConfigured("GRADIENT_QUARANTINE_AFTER must not be negative (0 disables)")
+if GRADIENT["QUARANTINE_SECS"] <= 0:
+    raise ImproperlyConfigured("GRADIENT_QUARANTINE_SECS must be positive")
 
 # GRADIENT_LOG_FORMAT=json: one JSON object per line, with the cluster, attempt and worker ids
 # a record carries (gradient/logs.py); plain: the usual text line.

@@ -157,8 +157,9 @@ def test_the_worker_list_shows_connection_live_idle_slots_and_what_runs_now(admi
         f'<span class="running-now" title="{" ".join(keys)}">build:00000000, '
         "build:00000001, build:00000002 and 2 more</span>"
     )
-    # Sorted by what runs now, most first (the column's index in list_display, descending).
-    for order, where in [("-4", 0), ("4", -1)]:
+    # Sorted by what runs now, most first (the column's index in list_display, descending; the
+    # action checkbox is column 0).
+    for order, where in [("-5", 0), ("5", -1)]:
         assert list(admin_client.get(url, {"o": order}).context["cl"].result_list)[where] == busy
 
 

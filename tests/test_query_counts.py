@@ -60,19 +60,21 @@ LAST_MEMBER_ACCEPTED = 1
 # A cluster member's JobCompleted that does not decide yet (a sibling still runs): the single
 # job's statement, which finishes nothing and tells it is a member's (1); the report's
 # transaction (clusters.settlement.member_report): SAVEPOINT, then one round trip (a pipeline)
-# of the lock_timeout, the attempt's lock, the row's finish, and every member's state with
-# the cluster's attempts and retry budget (4); RELEASE. In production BEGIN and COMMIT take
-# the SAVEPOINT's and RELEASE's places: 4 round trips in all.
-MEMBER_COMPLETED = 7
+# of the lock_timeout, the attempt's lock, the row's finish, its worker's blamed seats in a row
+# started again, and every member's state with the cluster's attempts and retry budget (5);
+# RELEASE. In production BEGIN and COMMIT take the SAVEPOINT's and RELEASE's places: 4 round
+# trips in all.
+MEMBER_COMPLETED = 8
 # One that decides Complete: the same, and settling: the attempt closed with its open rows
 # abandoned and the cluster Completed (clusters.claim.close_cluster_attempt, one statement),
 # then in one more round trip (a pipeline) the builds' and the evaluations' transitions (3).
 # 6 round trips in all.
-MEMBER_COMPLETED_DECIDING = 10
+MEMBER_COMPLETED_DECIDING = 11
 # A member's JobFailed, deciding Retry: no single job's statement first (a single's failure
 # runs in the transaction the member path opens); SAVEPOINT, the report's round trip (4),
-# settling's two (3), RELEASE. 5 round trips in all.
-MEMBER_FAILED_DECIDING = 9
+# settling's two (3), the seat blamed and counted against its worker (1), RELEASE. 6 round
+# trips in all.
+MEMBER_FAILED_DECIDING = 10
 
 
 def answer_request(worker, kind, offered=None):

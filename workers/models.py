@@ -44,6 +44,14 @@ class Worker(models.Model):
     last_seen_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    # Health (protocol.md, "Worker health"; workers.health): blamed seats since its last seat
+    # that succeeded, and the latest quarantine, in force while quarantined_until is ahead.
+    blamed_in_row = models.PositiveIntegerField(default=0, db_default=0, editable=False)
+    quarantined_since = models.DateTimeField(null=True, blank=True, editable=False)
+    quarantined_until = models.DateTimeField(null=True, blank=True, editable=False)
+    quarantine_reason = models.CharField(max_length=500, null=True, blank=True, editable=False)
+    quarantined_by = models.CharField(max_length=16, null=True, blank=True, editable=False)
+
     class Meta:
         db_table = "worker"
         ordering = ["name"]

@@ -247,6 +247,8 @@ class DispatchedJob(models.Model):
     accepted_at = models.DateTimeField(null=True, blank=True)
     # The JobFailed kind, kept for the attempt's verdict (a member's job waits for it).
     failure_kind = models.CharField(max_length=32, null=True, blank=True)
+    # A member's seat that ended its attempt, and how (clusters.blame): its worker's health.
+    blame = models.CharField(max_length=32, null=True, blank=True)
 
     class Meta:
         db_table = "dispatched_job"
@@ -265,6 +267,16 @@ class DispatchedJob(models.Model):
                 fields=["worker"],
                 condition=Q(finished_at__isnull=True),
                 name="idx-dispatched_job-open-worker",
+            ),
+            # A worker's recent seats, newest first (show_worker, the admin's worker page).
+            models.Index(
+                fields=["worker", "-dispatched_at"],
+                condition=Q(cluster_attempt__isnull=False),
+                name="idx-dispatched_job-seats",
+            ),
+            # /metrics counts the blamed seats by how they ended their attempt.
+            models.Index(
+                fields=["blame"], condition=Q(blame__isnull=False), name="idx-dispatched_job-blame"
             ),
         ]
 

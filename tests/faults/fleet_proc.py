@@ -5,7 +5,7 @@ suite's settings, a JSON line per event in --log, until SIGTERM (or SIGKILL, whi
 short worker timeout) nor make some of them hang, so the suite starts this instead:
 
     python -m tests.faults.fleet_proc --prefix f0 --count 4 --zones a,b,c --url URL1,URL2 \
-        --log events.jsonl [--hung 1] [--zone-offset N]
+        --log events.jsonl [--hung 1] [--flaky reject,lose] [--zone-offset N]
 """
 
 import argparse
@@ -26,6 +26,12 @@ def main() -> None:
     parser.add_argument("--log", required=True)
     parser.add_argument("--hung", type=int, default=0, help="the first N hold members silently")
     parser.add_argument("--fail-rate", type=float, default=0.05)
+    parser.add_argument(
+        "--flaky",
+        default="",
+        metavar="WAY1,WAY2",
+        help="the last workers are flaky, one per way (simulate_workers' FLAKY_WAYS)",
+    )
     args = parser.parse_args()
 
     import django
@@ -33,10 +39,12 @@ def main() -> None:
     django.setup()
     from django.db import connection
 
-    from workers.management.commands.simulate_workers import issue_tokens, sim_endpoint
+    from workers.management.commands.simulate_workers import FLAKY_WAYS, issue_tokens, sim_endpoint
     from workers.simulator import Fleet, WorkerConfig
 
     names = [f"{args.prefix}-{i}" for i in range(args.count)]
+    ways = [way for way in args.flaky.split(",") if way]
+    flaky = {names[-1 - i]: FLAKY_WAYS[way] for i, way in enumerate(ways)}
     zones = args.zones.split(",")
     tokens = issue_tokens(names, None)
     connection.close()
@@ -51,6 +59,7 @@ def main() -> None:
             backoff=(0.1, 1.0),
             open_timeout=5.0,
             max_events=50,
+            **flaky.get(name, {}),
         )
         for i, name in enumerate(names)
     }

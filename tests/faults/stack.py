@@ -34,12 +34,19 @@ SETTINGS = {
     "GRADIENT_CLUSTER_PREPARE_TIMEOUT_SECS": str(PREPARE_TIMEOUT_SECS),
     "GRADIENT_CLUSTER_RETRY_BACKOFF_SECS": "1",
     "GRADIENT_WORKER_TIMEOUT_SECS": str(WORKER_TIMEOUT_SECS),
+    # The hung and flaky workers are quarantined after three blamed seats; back on probation
+    # within seconds, they are seated again (and quarantined again at once), so the suite keeps
+    # meeting prepares that hang, which it needs to hit, with quarantine and probation at work.
+    "GRADIENT_QUARANTINE_SECS": "5",
 }
 
 FLEET_PROCESSES = 5
 WORKERS_PER_PROCESS = 4
 ZONES = "a,b,c"
 HUNG_IN = {FLEET_PROCESSES - 1: 2}  # fleet process -> how many of its workers hang
+# Fleet process -> the ways its flaky workers fail their cluster members (one worker each):
+# the invariants must hold while the server blames and quarantines them.
+FLAKY_IN = {0: "reject", 1: "lose"}
 
 
 @dataclass
@@ -93,6 +100,7 @@ class Stack:
                 "--url": ",".join(self.urls),
                 "--log": self.events_path(i),
                 "--hung": HUNG_IN.get(i, 0),
+                "--flaky": FLAKY_IN.get(i, ""),
             }
             options = [str(part) for option in fleet.items() for part in option]
             self._define(f"fleet-{i}", [python, "-m", "tests.faults.fleet_proc", *options])

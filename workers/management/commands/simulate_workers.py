@@ -51,6 +51,14 @@ class Command(JsonCommand):
         add("--job-secs", action=Once, default="0.5-2", metavar="LO-HI")
         add("--fail-rate", action=Once, type=float, default=0.0, metavar="P")
         add("--reject-rate", action=Once, type=float, default=0.0, metavar="P")
+        add(
+            "--flaky-rate",
+            action=Once,
+            type=float,
+            default=0.0,
+            metavar="P",
+            help="this share of the workers are flaky: they reject or lose their cluster members",
+        )
         add("--seed", action=Once, type=int, metavar="N")
         add(
             "--url",
@@ -144,14 +152,33 @@ def worker_configs(names: list[str], o: dict) -> dict[str, WorkerConfig]:
     )
     if not base["architectures"]:
         raise CommandError("--arch must name at least one architecture")
+    flaky = flaky_workers(names, rate(o["flaky_rate"], "--flaky-rate"))
     configs = {
-        name: WorkerConfig(**base, zone=zones[i % len(zones)], endpoint=sim_endpoint(name))
+        name: WorkerConfig(
+            **{**base, **flaky.get(name, {})},
+            zone=zones[i % len(zones)],
+            endpoint=sim_endpoint(name),
+        )
         for i, name in enumerate(names)
     }
     sample = configs[names[0]]
     if sample.slots("eval") + sample.slots("build") == 0:
         raise CommandError("these workers would have no slot: give them evals, builds or fetch")
     return configs
+
+
+# The two ways a flaky machine fails a cluster, taken in turn by the flaky workers: it refuses
+# every member, or it loses them with its connection at the start.
+FLAKY_WAYS = {"reject": {"reject_rate": 1.0}, "lose": {"loses_members": True}}
+
+
+def flaky_workers(names: list[str], share: float) -> dict[str, dict]:
+    """round(share x count) of the workers, spread evenly over the names, each with its way of
+    failing (FLAKY_WAYS, in turn): name -> WorkerConfig overrides."""
+    count = round(share * len(names))
+    chosen = [names[i * len(names) // count] for i in range(count)] if count else []
+    ways = list(FLAKY_WAYS.values())
+    return {name: ways[i % len(ways)] for i, name in enumerate(chosen)}
 
 
 def check_run_options(o: dict) -> None:
@@ -273,5 +300,6 @@ def summary(fleet: Fleet) -> dict:
         "completed": c["completed"],
         "failed": c["failed"],
         "rejected": c["rejected"],
+        "flaky": sum(w.config.reject_rate == 1.0 or w.config.loses_members for w in fleet.workers),
         "ended": dict(ended),
     }

@@ -1,0 +1,240 @@
+"""Worker health: a fleet with flaky workers runs clusters with quarantine on and off.
+
+    .venv/bin/python bench/health.py [--workers 50] [--flaky 5] [--clusters 200] [--size 3]
+        [--retry-budget 2] [--write docs/benchmarks.md]
+
+For each of GRADIENT_QUARANTINE_AFTER=3 (on) and =0 (off), in one run: the bench database is
+emptied, a daphne and a Celery worker and beat are started with that setting, and a fleet of
+reference workers (one process, real WebSockets) serves clusters of builds, all submitted at
+the start. The flaky workers are chosen as `simulate_workers --flaky-rate` chooses them: spread
+over the fleet, every other one refusing each member it is assigned, the others losing their
+members with their connection at the start (so a started attempt fails and spends the retry
+budget). Every worker's store holds every path, so the planner is indifferent between seats and
+a flaky worker is seated as often as any. Measured: clusters Completed and Failed, attempts per
+cluster (every try, prepares that failed included, and the started ones), blamed seats,
+workers quarantined, and the wall time until every cluster finished.
+
+It uses its own database (--database, default gradient_bench; created and migrated when
+missing, emptied at the start of each mode) and Redis database 11.
+"""
+
+import argparse
+import asyncio
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 11
+SECTION = "## Worker health: quarantine with a flaky share"
+TIMEOUT_SECS = 900.0
+MODES = {"on": 3, "off": 0}
+# Short enough that a failed prepare or a lost member costs seconds, not the defaults' minutes.
+SETTINGS = {
+    "GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS": 1,
+    "GRADIENT_CLUSTER_PREPARE_TIMEOUT_SECS": 5,
+    "GRADIENT_CLUSTER_RETRY_BACKOFF_SECS": 1,
+}
+
+
+def make_fleet(count: int, flaky: int) -> list[tuple[str, str, object]]:
+    from workers.management.commands.simulate_workers import flaky_workers
+    from workers.models import Worker, hash_token
+    from workers.simulator import WorkerConfig
+
+    names = [f"health-{i:03d}" for i in range(count)]
+    Worker.objects.bulk_create(Worker(name=n, token_hash=hash_token(f"t-{n}")) for n in names)
+    ways = flaky_workers(names, flaky / count)
+    base = WorkerConfig(
+        eval=False,
+        job_secs=(0.2, 0.5),
+        score=lambda name, job: (0, 0),
+        backoff=(0.2, 1.0),
+        # A refusing worker asks again at its next heartbeat: every second, not every 10 s, so
+        # that it is seated again as soon as a healthy one would be.
+        heartbeat_secs=1.0,
+        max_events=100,
+    )
+    return [(n, f"t-{n}", replace(base, **ways.get(n, {}))) for n in names]
+
+
+def submit(clusters: int, size: int, budget: int) -> list[int]:
+    from clusters.submission import parse_member, submit_cluster
+    from gradient.jobs.models import Project
+
+    Project.objects.create(name="health")
+    members = [parse_member(f"node{i}:build") for i in range(size)]
+    return [submit_cluster("health", members, retry_budget=budget)[0].pk for _ in range(clusters)]
+
+
+def unfinished() -> int:
+    from clusters.models import CLUSTER_ACTIVE, ClusterJob
+
+    return ClusterJob.objects.filter(status__in=CLUSTER_ACTIVE).count()
+
+
+async def serve(url: str, members, args) -> float:
+    from asgiref.sync import sync_to_async
+
+    from workers.simulator import Fleet
+
+    fleet = Fleet(members, url=url, ramp_secs=0.5)
+    running = asyncio.create_task(fleet.run())
+    try:
+        await asyncio.sleep(2.0)  # every worker connected and idle
+        began = time.monotonic()
+        await sync_to_async(submit)(args.clusters, args.size, args.retry_budget)
+        while await sync_to_async(unfinished)():
+            if time.monotonic() - began > TIMEOUT_SECS:
+                break
+            await asyncio.sleep(0.5)
+        return time.monotonic() - began
+    finally:
+        fleet.stop()
+        await running
+
+
+def figures(seconds: float) -> dict:
+    from django.db.models import Count, Sum
+
+    from clusters.models import ClusterAttempt, ClusterJob
+    from gradient.jobs.models import DispatchedJob
+    from workers.models import Worker
+
+    clusters = ClusterJob.objects.count() or 1
+    by_status = dict(ClusterJob.objects.values_list("status").annotate(n=Count("pk")))
+    started = ClusterJob.objects.aggregate(n=Sum("attempts"))["n"] or 0
+    blamed = dict(
+        DispatchedJob.objects.filter(blame__isnull=False)
+        .values_list("blame")
+        .annotate(n=Count("pk"))
+    )
+    return {
+        "completed": by_status.get("Completed", 0),
+        "failed": by_status.get("Failed", 0),
+        "unfinished": unfinished(),
+        "attempts": ClusterAttempt.objects.count() / clusters,
+        "started": started / clusters,
+        "blamed": blamed,
+        "quarantined": Worker.objects.filter(quarantined_by__isnull=False).count(),
+        "seconds": seconds,
+    }
+
+
+def run_mode(after: int, args) -> dict:
+    from django.db import connection
+
+    common.ensure_database()
+    members = make_fleet(args.workers, args.flaky)
+    env = common.process_env(**SETTINGS, GRADIENT_QUARANTINE_AFTER=after)
+    common.flush_redis(env["REDIS_URL"])
+    logs = Path(tempfile.mkdtemp(prefix=f"bench-health-{after}-"))
+    procs = common.Processes(env, logs)
+    try:
+        port = common.free_port()
+        procs.daphne(port)
+        procs.celery()
+        connection.close()  # the fleet's loop reaches the database from threads of its own
+        seconds = asyncio.run(serve(f"ws://127.0.0.1:{port}/proto", members, args))
+    finally:
+        procs.stop()
+        common.flush_redis(env["REDIS_URL"])
+    result = figures(seconds)
+    crashed, _ = common.log_problems(procs)
+    result["crashes"] = crashed
+    print(f"quarantine after {after}: {result}; logs in {logs}", flush=True)
+    return result
+
+
+HEADER = [
+    "quarantine",
+    "clusters Completed",
+    "clusters Failed",
+    "attempts per cluster",
+    "started attempts per cluster",
+    "blamed seats",
+    "workers quarantined",
+    "until all finished s",
+]
+
+
+def rows(results: dict) -> list[list]:
+    out = []
+    for mode, r in results.items():
+        blamed = ", ".join(f"{how} {n}" for how, n in sorted(r["blamed"].items())) or "0"
+        out.append(
+            [
+                f"{mode} (GRADIENT_QUARANTINE_AFTER={MODES[mode]})",
+                r["completed"],
+                f"{r['failed']}" + (f" ({r['unfinished']} unfinished)" if r["unfinished"] else ""),
+                f"{r['attempts']:.2f}",
+                f"{r['started']:.2f}",
+                blamed,
+                r["quarantined"],
+                f"{r['seconds']:.0f}",
+            ]
+        )
+    return out
+
+
+def section(command: str, args, results: dict) -> str:
+    return (
+        f"{SECTION}\n\n"
+        f"A fleet of {args.workers} reference workers, {args.flaky} of them flaky (spread over"
+        " the fleet as `simulate_workers --flaky-rate` spreads them: every other one refuses"
+        " every member, the others drop their connection at each StartCluster and so lose their"
+        f" members), runs {args.clusters} clusters of {args.size} builds with retry budget"
+        f" {args.retry_budget}, all submitted at once, with quarantine on"
+        " (GRADIENT_QUARANTINE_AFTER=3) and off (=0), in one run; each mode on an emptied"
+        " database with its own daphne, Celery worker and beat (prepare timeout 5 s, retry"
+        " backoff 1 s, dispatch pass every second). Every store holds every path, so no seat is"
+        " cheaper than another and a flaky worker is seated as often as any. A refusal fails a"
+        " prepare, which spends no retry; a lost member fails a started attempt, which does."
+        " Attempts per cluster count every try, failed prepares included; started ones only"
+        " those that ran.\n\n"
+        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
+        f"- Machine: {common.machine()}, shared with other work (load average"
+        f" {results['load']})\n\n"
+        + common.table(HEADER, rows({m: results[m] for m in MODES}))
+        + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
+    parser.add_argument("--workers", type=int, default=50)
+    parser.add_argument("--flaky", type=int, default=5)
+    parser.add_argument("--clusters", type=int, default=200)
+    parser.add_argument("--size", type=int, default=3)
+    parser.add_argument("--retry-budget", type=int, default=2)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    if not 0 <= args.flaky <= args.workers or args.size > args.workers - args.flaky:
+        parser.error("--flaky must be 0 to --workers, leaving --size healthy workers")
+    command = shlex.join([".venv/bin/python", "bench/health.py", *sys.argv[1:]])
+    common.raise_open_files(args.workers)
+    common.setup(args.database, REDIS_DB)
+    print(command, flush=True)
+    before = common.load()
+    results: dict = {mode: run_mode(after, args) for mode, after in MODES.items()}
+    results["load"] = f"{before} at the start, {common.load()} at the end"
+    crashed = any(results[m]["crashes"] for m in MODES)
+    common.finish(
+        HEADER,
+        rows({m: results[m] for m in MODES}),
+        args.write,
+        SECTION,
+        lambda: section(command, args, results),
+        crashed,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Blame (protocol.md, "Worker health"): the seat that ended its attempt, and how.
+
+A seat is blamed when it is the one that ended its attempt: its rejection, its prepare timeout,
+its loss with its worker (disconnect, revocation, liveness), or its JobFailed of a kind that
+says the machine failed rather than the job. A survivor that was aborted is never blamed. The
+blame is written with the seat, and counted against its worker (workers.health), in the
+transaction that closes the attempt, so that the close and the count happen once, together.
+"""
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+from django.utils import timezone
+
+from clusters.verdict import LOST
+from gradient.logs import ids
+from workers.health import COUNT_BLAMED_SQL, quarantine_counted
+
+log = logging.getLogger(__name__)
+
+REJECTED = "rejected"
+PREPARE_TIMEOUT = "prepare_timeout"
+# JobFailed kinds that blame the seat; `permanent` (the job's own fault), the input kinds (the
+# cache's) and `aborted`/`canceled` (a hold expired, an abort) do not.
+BLAMED_FAILURES = ("transient", "timeout", "corrupt_eval_cache")
+# Every blame, as show_worker, the admin and /metrics name them.
+BLAMES = (REJECTED, PREPARE_TIMEOUT, LOST, *BLAMED_FAILURES)
+
+
+def blame_for(failure_kind: str | None) -> str | None:
+    """The blame of a seat whose report (a JobFailed, or its loss) ended its attempt."""
+    if failure_kind == LOST or failure_kind in BLAMED_FAILURES:
+        return failure_kind
+    return None
+
+
+@dataclass(frozen=True)
+class Blame:
+    how: str  # one of BLAMES
+    # The seat (its dispatched_job id); None for every seat of the attempt that had not
+    # accepted: a prepare timeout is theirs.
+    seat: uuid.UUID | None = None
+
+
+BLAME_SQL = (
+    """
+WITH blamed AS (
+    UPDATE dispatched_job SET blame = %(how)s
+    WHERE cluster_attempt_id = %(attempt)s AND blame IS NULL
+      AND CASE WHEN %(seat)s::uuid IS NULL THEN accepted_at IS NULL
+               ELSE id = %(seat)s::uuid END
+    RETURNING worker_id
+)"""
+    + COUNT_BLAMED_SQL
+)
+
+
+def blame_seats(attempt_id, blame: Blame, now: datetime | None = None) -> list[int]:
+    """Blame the seat(s) that ended the attempt, inside the transaction that closed it, and
+    count it against their workers, in one statement; the workers this quarantined."""
+    now = now or timezone.now()
+    params = {"how": blame.how, "attempt": attempt_id, "seat": blame.seat, "now": now}
+    with connection.cursor() as cursor:
+        cursor.execute(BLAME_SQL, params)
+        counted = cursor.fetchall()
+    quarantined = quarantine_counted(counted, blame.how, now)
+    if quarantined:
+        log.info(
+            "quarantined worker(s) %s after attempt %s (%s)",
+            quarantined,
+            attempt_id,
+            blame.how,
+            extra=ids(attempt=attempt_id, worker=quarantined),
+        )
+    return quarantined

@@ -1,0 +1,163 @@
+"""Worker health (protocol.md, "Worker health: quarantine at the gang level"): a worker's blamed
+seats in a row, and its quarantine from cluster members.
+
+A worker is quarantined while its quarantined_until lies ahead. An automatic quarantine lasts
+GRADIENT_QUARANTINE_SECS; its streak is left as it was, so once lifted the worker is on
+probation: its next blamed seat makes the streak reach the threshold again and quarantines it at
+once, until a seat of it succeeds. An operator's quarantine lasts until released (FOREVER), and
+a release clears the streak too. Single jobs still reach a quarantined worker.
+"""
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Case, F, Q, Value, When
+from django.utils import timezone
+
+from gradient.jobs.models import DispatchedJob
+from workers.models import Worker
+
+OPERATOR, AUTOMATIC = "operator", "automatic"
+# An operator's quarantine ends only with --release.
+FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
+
+
+def quarantined_q(now: datetime) -> Q:
+    """The workers quarantined at `now`, for the ORM."""
+    return Q(quarantined_until__gt=now)
+
+
+def quarantined_sql(alias: str) -> str:
+    """The same rule as quarantined_q, in SQL over the worker row `alias`, against %(now)s."""
+    return f"coalesce({alias}.quarantined_until > %(now)s, false)"
+
+
+def is_quarantined(worker: Worker, now: datetime) -> bool:
+    return worker.quarantined_until is not None and worker.quarantined_until > now
+
+
+def quarantine_due(blamed_in_row: int, quarantined: bool, after: int) -> bool:
+    """Whether a worker's blamed seats in a row, counted with its latest, quarantine it now."""
+    return after > 0 and not quarantined and blamed_in_row >= after
+
+
+def on_probation(worker: Worker, now: datetime) -> bool:
+    """Lifted from an automatic quarantine, with no seat succeeded since: its next blamed seat
+    quarantines it again."""
+    after = settings.GRADIENT["QUARANTINE_AFTER"]
+    return (
+        worker.quarantined_by == AUTOMATIC
+        and not is_quarantined(worker, now)
+        and quarantine_due(worker.blamed_in_row, False, after)
+    )
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    since: datetime
+    reason: str | None
+    by: str
+
+
+def quarantine_of(worker: Worker, now: datetime) -> Quarantine | None:
+    if not is_quarantined(worker, now):
+        return None
+    return Quarantine(worker.quarantined_since, worker.quarantine_reason, worker.quarantined_by)
+
+
+# Blamed seats, counted in the transaction that closes their attempts, after the seats' own
+# write (`blamed`, a CTE of the caller's yielding worker_id). The rows are locked in id order
+# (two closes blaming the same workers never wait on each other in a circle), and the increment
+# is the UPDATE's own, on the row as last committed: two closes at once both count.
+COUNT_BLAMED_SQL = f"""
+, locked AS (
+    SELECT id FROM worker WHERE id IN (SELECT worker_id FROM blamed) ORDER BY id
+    FOR NO KEY UPDATE
+)
+UPDATE worker w SET blamed_in_row = w.blamed_in_row + 1
+FROM locked WHERE w.id = locked.id
+RETURNING w.id, w.blamed_in_row, {quarantined_sql("w")}
+"""
+QUARANTINE_SQL = """
+UPDATE worker SET quarantined_since = %(now)s, quarantined_until = %(until)s,
+                  quarantined_by = %(by)s, quarantine_reason = %(reason)s
+WHERE id = ANY(%(workers)s::bigint[])
+"""
+
+
+def quarantine_counted(counted, blame: str, now: datetime) -> list[int]:
+    """COUNT_BLAMED_SQL's rows (worker, its blamed seats in a row, quarantined now) in, the
+    workers they quarantine automatically out, written under the count's lock."""
+    after = settings.GRADIENT["QUARANTINE_AFTER"]
+    due = sorted(
+        w for w, streak, quarantined in counted if quarantine_due(streak, quarantined, after)
+    )
+    if due:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                QUARANTINE_SQL,
+                {
+                    "workers": due,
+                    "now": now,
+                    "until": now + timedelta(seconds=settings.GRADIENT["QUARANTINE_SECS"]),
+                    "by": AUTOMATIC,
+                    "reason": f"{after} blamed seats in a row, the last {blame}",
+                },
+            )
+    return due
+
+
+# A seat of the worker succeeded (its report finished its row Completed at %(finish_at)s, in an
+# earlier statement of the same transaction): its streak starts again, and any probation ends.
+COUNT_SUCCESS_SQL = """
+UPDATE worker SET blamed_in_row = 0
+WHERE id = %(worker)s AND blamed_in_row <> 0 AND EXISTS (
+    SELECT 1 FROM dispatched_job d WHERE d.id = %(id)s AND d.worker_id = %(worker)s
+      AND d.outcome = 'Completed' AND d.finished_at = %(finish_at)s)
+"""
+
+
+def quarantine(worker: Worker, reason: str | None, now: datetime | None = None) -> None:
+    """An operator's quarantine, until released. One already in force keeps its start."""
+    now = now or timezone.now()
+    Worker.objects.filter(pk=worker.pk).update(
+        quarantined_since=Case(
+            When(quarantined_q(now), then=F("quarantined_since")), default=Value(now)
+        ),
+        quarantined_until=FOREVER,
+        quarantined_by=OPERATOR,
+        quarantine_reason=reason,
+    )
+
+
+def release(worker: Worker) -> None:
+    """An operator's release, of either kind of quarantine: no probation follows."""
+    Worker.objects.filter(pk=worker.pk).update(
+        blamed_in_row=0,
+        quarantined_since=None,
+        quarantined_until=None,
+        quarantined_by=None,
+        quarantine_reason=None,
+    )
+
+
+RECENT_SEATS = 20
+
+
+def seat_rows(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
+    """The worker's latest cluster seats, newest first: attempt, cluster, job_id, outcome,
+    blame, dispatched_at."""
+    return list(
+        DispatchedJob.objects.filter(worker_id=worker_id, cluster_attempt__isnull=False)
+        .order_by("-dispatched_at", "-id")
+        .values(
+            "job_id",
+            "outcome",
+            "blame",
+            "dispatched_at",
+            attempt=F("cluster_attempt_id"),
+            cluster=F("cluster_attempt__cluster_job_id"),
+        )[:limit]
+    )
