@@ -6,7 +6,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from tests.test_simulator import BUILDER, FakeServer, assign, hold, ready, roster
+from tests.fake_server import BUILDER, FakeServer, assign, hold, ready, roster
 from workers import protocol as p
 from workers.management.commands.simulate_workers import FLAKY_WAYS, flaky_workers
 
