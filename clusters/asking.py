@@ -52,6 +52,7 @@ WITH fresh AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
     SELECT p.worker_id, p.job_id, %(now)s
     FROM unnest(%(workers)s::bigint[], %(keys)s::text[]) AS p(worker_id, job_id)
+    ORDER BY p.worker_id, p.job_id  -- the sessions' order (workers.offers): no deadlock
     ON CONFLICT (worker_id, job_id) DO NOTHING
     RETURNING worker_id, job_id
 )

@@ -49,7 +49,7 @@ dropped AS (
 ),
 fresh AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT %(worker)s, key, %(now)s FROM members
+    SELECT %(worker)s, key, %(now)s FROM members ORDER BY key
     ON CONFLICT (worker_id, job_id) DO NOTHING
     RETURNING job_id
 )
@@ -170,12 +170,14 @@ def _head_job(row: list) -> HeadJob:
     return job._replace(id=uuid.UUID(job.id))
 
 
-# A JobScores answer for members, in one statement, no model instances.
+# A JobScores answer for members, in one statement, no model instances. Every writer of
+# job_score inserts in (worker, job) order, so that two that overlap cannot deadlock.
 RECORD_SCORES_SQL = """
 INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
 SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
 FROM unnest(%(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
      AS s(job_id, missing_count, missing_nar_size)
+ORDER BY s.job_id
 ON CONFLICT (worker_id, job_id) DO UPDATE
 SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_nar_size,
     scored_at = EXCLUDED.scored_at
