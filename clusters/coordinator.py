@@ -27,8 +27,8 @@ from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import EVALUATION_MACHINE, DispatchedJob, EvaluationStatus
 from gradient.logs import ids
-from workers.groups import send_frames
-from workers.protocol import (
+from gradient.wire.groups import send_frames
+from gradient.wire.protocol import (
     AbortCluster,
     ForwardedSignal,
     MemberRef,

@@ -40,8 +40,8 @@ from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import JobKind
 from gradient.logs import ids
-from workers.groups import send_frames
-from workers.protocol import AssignJob, ClusterHold, JobSpec
+from gradient.wire.groups import send_frames
+from gradient.wire.protocol import AssignJob, ClusterHold, JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ INSTALLED_APPS = [
     "gradient.jobs",
     "workers",
     "clusters",
+    "sessions.apps.SessionsConfig",
 ]
 
 MIDDLEWARE = [
@@ -99,7 +100,7 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
-# Threads per daphne process running the sessions' database work (see workers/consumer.py).
+# Threads per daphne process running the sessions' database work (see sessions/consumer.py).
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -221,5 +222,5 @@ CELERY_BEAT_SCHEDULE = {
     },
     "cluster-recovery": {"task": "clusters.recover", "schedule": 30.0},
     "cluster-retention": {"task": "clusters.retention", "schedule": 3600.0},
-    "worker-liveness": {"task": "workers.liveness", "schedule": 10.0},
+    "worker-liveness": {"task": "sessions.liveness", "schedule": 10.0},
 }

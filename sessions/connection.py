@@ -10,9 +10,9 @@ from django.utils import timezone
 from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from gradient.jobs.transitions import finish_assignments
+from gradient.wire.protocol import WorkerCapabilities
+from sessions.reports import release_single
 from workers.models import IdleSlot, JobScore, Worker, hash_token
-from workers.protocol import WorkerCapabilities
-from workers.reports import release_single
 
 TOUCH_EVERY = timedelta(seconds=5)
 

@@ -23,11 +23,8 @@ from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import JobKind
 from gradient.logs import ids
-from workers import assignment, connection, offers, reports
-from workers.frame_queue import FrameQueue
-from workers.groups import worker_group
-from workers.models import Worker
-from workers.protocol import (
+from gradient.wire.groups import worker_group
+from gradient.wire.protocol import (
     MAX_FRAME_BYTES,
     AssignJobResponse,
     ClusterSignal,
@@ -43,6 +40,10 @@ from workers.protocol import (
     WorkerCapabilities,
     parse_inbound,
 )
+from sessions import connection, reports
+from sessions.frame_queue import FrameQueue
+from workers import assignment, offers
+from workers.models import Worker
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ def _session_pools_close_their_connections(django_db_setup):
 
     from django.db import connections
 
-    from workers import consumer
+    from sessions import consumer
 
     for pool in (consumer._frames, consumer._reports, consumer._handshakes):
         # As many tasks as the pool has threads, each held at a barrier until all run: every

@@ -20,12 +20,12 @@ from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterS
 from clusters.settlement import member_report
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from sessions.reports import job_failed
 from tests.clusterflow import Inbox, idle_workers
 from tests.commands import manage
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.models import IdleSlot
-from workers.reports import job_failed
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = reverse("admin:clusters_clusterjob_changelist")

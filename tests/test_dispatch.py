@@ -13,12 +13,12 @@ from clusters.settlement import member_report
 from clusters.tracking import startable_clusters
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from gradient.wire.protocol import MemberRef
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.assignment import record_idle
 from workers.models import IdleSlot, Worker
-from workers.protocol import MemberRef
 
 pytestmark = pytest.mark.django_db
 

@@ -20,6 +20,8 @@ from gradient.jobs.models import (
     Evaluation,
     EvaluationStatus,
 )
+from sessions import reports
+from sessions.consumer import offer_or_answer
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import (
     BuildFactory,
@@ -30,8 +32,6 @@ from tests.factories import (
     ProjectFactory,
     WorkerFactory,
 )
-from workers import reports
-from workers.consumer import offer_or_answer
 from workers.head import FETCH_STEPS
 from workers.models import IdleSlot
 from workers.offers import Offered
@@ -89,7 +89,7 @@ def counted(fn, *args):
 @pytest.fixture(autouse=True)
 def no_wake(monkeypatch):
     """The dispatch wake-up goes to Redis, not PostgreSQL."""
-    monkeypatch.setattr("workers.consumer.wake_dispatch", lambda: True)
+    monkeypatch.setattr("sessions.consumer.wake_dispatch", lambda: True)
 
 
 def queued(kind, project, **fields):

@@ -13,7 +13,7 @@ from django.core.management.base import CommandError
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator import (
     HOLD_TIMED_OUT,
     Fleet,

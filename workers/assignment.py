@@ -21,6 +21,7 @@ from gradient.jobs.models import (
     EvaluationStatus,
     JobKind,
 )
+from gradient.wire.protocol import AssignJob, JobSpec
 from workers.head import (
     FETCH_STEPS,
     HeadJob,
@@ -32,7 +33,6 @@ from workers.head import (
     window,
 )
 from workers.models import IdleSlot, Worker
-from workers.protocol import AssignJob, JobSpec
 
 HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
 

@@ -2,7 +2,7 @@
 WebSocket connections, many of them on one asyncio loop.
 
 Imports nothing of Django: tests and the e2e harness run it in-process, next to a live server
-or a fake one. Every frame is built and parsed with workers.protocol.
+or a fake one. Every frame is built and parsed with gradient.wire.protocol.
 """
 
 import asyncio
@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 
 DEFAULT_URL = "ws://127.0.0.1:8000/proto"
 REPLACED_CLOSE_CODE = 4409

@@ -1,5 +1,5 @@
 """Fuzzing the worker protocol: hypothesis strategies derived from the schemas of
-workers.protocol, over every message, plus arbitrary JSON, text and bytes.
+gradient.wire.protocol, over every message, plus arbitrary JSON, text and bytes.
 
 The parser: it returns a message of the frame's class or raises ProtocolError with a message,
 never anything else; valid frames parse back equal, unknown fields are ignored, a dropped or
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, StringConstraints
 from pydantic.fields import FieldInfo
 
-from workers.protocol import (
+from gradient.wire.protocol import (
     INBOUND,
     OUTBOUND,
     UUID_RE,
