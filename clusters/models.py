@@ -3,6 +3,7 @@ the jobs it assigns and points back here through cluster_attempt)."""
 
 import uuid
 
+import pgtrigger
 from django.db import models
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Exact
@@ -78,6 +79,72 @@ ATTEMPT_MACHINE = StateMachine(
 )
 
 
+_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(CLUSTER_ACTIVE)) + "]"
+JOB_TABLES = (("evaluation", "evaluation_id"), ("derivation_build", "derivation_build_id"))
+
+
+def _planned_each_time(statement: str, *values: str) -> str:
+    # PL/pgSQL keeps one generic plan per statement, made once; a plan made while a table was
+    # small scans it whole for every row after it has grown. EXECUTE plans with the values.
+    return f"EXECUTE '{statement}' USING {', '.join(values)}; "
+
+
+def _set_active_member(evaluation: str, build: str, active: str) -> str:
+    """Set active_member on a member's job (evaluation or build, the other NULL), writing only
+    a row whose flag changes."""
+    return "".join(
+        _planned_each_time(
+            f"UPDATE {table} SET active_member = $2"
+            " WHERE id = $1 AND active_member IS DISTINCT FROM $2",
+            job,
+            active,
+        )
+        for (table, _), job in zip(JOB_TABLES, (evaluation, build), strict=True)
+    )
+
+
+# The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
+# of a Queued or Running cluster, whoever writes cluster_job or cluster_member.
+CLUSTER_JOB_ACTIVE = pgtrigger.Trigger(
+    name="cluster_job_active",
+    when=pgtrigger.After,
+    operation=pgtrigger.UpdateOf("status"),
+    condition=pgtrigger.Condition(
+        f"((OLD.status = ANY({_ACTIVE})) IS DISTINCT FROM (NEW.status = ANY({_ACTIVE})))"
+    ),
+    func="".join(
+        _planned_each_time(
+            f"UPDATE {table} j SET active_member = $2 FROM cluster_member m"
+            f" WHERE m.cluster_job_id = $1 AND j.id = m.{column}"
+            " AND j.active_member IS DISTINCT FROM $2",
+            "NEW.id",
+            f"NEW.status = ANY({_ACTIVE})",
+        )
+        for table, column in JOB_TABLES
+    )
+    + "RETURN NULL;",
+)
+CLUSTER_MEMBER_ACTIVE = pgtrigger.Trigger(
+    name="cluster_member_active",
+    when=pgtrigger.After,
+    operation=(
+        pgtrigger.Insert
+        | pgtrigger.Delete
+        | pgtrigger.UpdateOf("cluster_job_id", "evaluation_id", "derivation_build_id")
+    ),
+    declare=[("active", "boolean")],
+    func=(
+        "IF TG_OP IN ('UPDATE', 'DELETE') THEN "
+        + _set_active_member("OLD.evaluation_id", "OLD.derivation_build_id", "false")
+        + "END IF; IF TG_OP IN ('INSERT', 'UPDATE') THEN "
+        "EXECUTE 'SELECT EXISTS (SELECT 1 FROM cluster_job WHERE id = $1 AND status = ANY($2))'"
+        f" INTO active USING NEW.cluster_job_id, {_ACTIVE}; "
+        + _set_active_member("NEW.evaluation_id", "NEW.derivation_build_id", "active")
+        + "END IF; RETURN NULL;"
+    ),
+)
+
+
 class ClusterJob(models.Model):
     project = models.ForeignKey(Project, on_delete=models.DO_NOTHING, related_name="+")
     status = models.CharField(
@@ -103,6 +170,7 @@ class ClusterJob(models.Model):
 
     class Meta:
         db_table = "cluster_job"
+        triggers = [CLUSTER_JOB_ACTIVE]
         indexes = [
             # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
@@ -146,6 +214,7 @@ class ClusterMember(models.Model):
 
     class Meta:
         db_table = "cluster_member"
+        triggers = [CLUSTER_MEMBER_ACTIVE]
         ordering = ["cluster_job_id", "role", "id"]
         constraints = [
             models.CheckConstraint(

@@ -35,6 +35,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.postgres",
     "channels",
+    "pgtrigger",
     "gradient.jobs",
     "workers",
     "clusters",

@@ -111,8 +111,8 @@ class JobFields(models.Model):
     prioritized = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    # A member of a Queued or Running cluster: kept by triggers on cluster_member and
-    # cluster_job (clusters migration 0005), whoever writes them. Such a job is never a single.
+    # A member of a Queued or Running cluster: kept by the triggers on cluster_member and
+    # cluster_job (clusters.models, their Meta), whoever writes them. Never a single job.
     active_member = models.BooleanField(default=False, db_default=False, editable=False)
     # Times a younger single job of its kind was given out while this one was first in line:
     # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
