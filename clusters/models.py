@@ -79,50 +79,23 @@ ATTEMPT_MACHINE = StateMachine(
 )
 
 
-_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(CLUSTER_ACTIVE)) + "]"
-JOB_TABLES = (("evaluation", "evaluation_id"), ("derivation_build", "derivation_build_id"))
-
-
-def _planned_each_time(statement: str, *values: str) -> str:
-    # PL/pgSQL keeps one generic plan per statement, made once; a plan made while a table was
-    # small scans it whole for every row after it has grown. EXECUTE plans with the values.
-    return f"EXECUTE '{statement}' USING {', '.join(values)}; "
-
-
-def _set_active_member(evaluation: str, build: str, active: str) -> str:
-    """Set active_member on a member's job (evaluation or build, the other NULL), writing only
-    a row whose flag changes."""
-    return "".join(
-        _planned_each_time(
-            f"UPDATE {table} SET active_member = $2"
-            " WHERE id = $1 AND active_member IS DISTINCT FROM $2",
-            job,
-            active,
-        )
-        for (table, _), job in zip(JOB_TABLES, (evaluation, build), strict=True)
-    )
-
-
 # The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
-# of a Queued or Running cluster, whoever writes cluster_job or cluster_member.
+# of a Queued or Running cluster, whoever writes cluster_job or cluster_member. The flag is
+# written by set_active_member(evaluation, build, active) (clusters migration 0005), an SQL
+# function: it is planned at each call, where PL/pgSQL would keep one plan made once.
+_ACTIVE = "(" + ", ".join(f"'{s}'" for s in sorted(CLUSTER_ACTIVE)) + ")"
 CLUSTER_JOB_ACTIVE = pgtrigger.Trigger(
     name="cluster_job_active",
     when=pgtrigger.After,
     operation=pgtrigger.UpdateOf("status"),
     condition=pgtrigger.Condition(
-        f"((OLD.status = ANY({_ACTIVE})) IS DISTINCT FROM (NEW.status = ANY({_ACTIVE})))"
+        f"((OLD.status IN {_ACTIVE}) IS DISTINCT FROM (NEW.status IN {_ACTIVE}))"
     ),
-    func="".join(
-        _planned_each_time(
-            f"UPDATE {table} j SET active_member = $2 FROM cluster_member m"
-            f" WHERE m.cluster_job_id = $1 AND j.id = m.{column}"
-            " AND j.active_member IS DISTINCT FROM $2",
-            "NEW.id",
-            f"NEW.status = ANY({_ACTIVE})",
-        )
-        for table, column in JOB_TABLES
-    )
-    + "RETURN NULL;",
+    func=(
+        "PERFORM set_active_member(m.evaluation_id, m.derivation_build_id,"
+        f" NEW.status IN {_ACTIVE}) FROM cluster_member m WHERE m.cluster_job_id = NEW.id;"
+        " RETURN NULL;"
+    ),
 )
 CLUSTER_MEMBER_ACTIVE = pgtrigger.Trigger(
     name="cluster_member_active",
@@ -132,15 +105,14 @@ CLUSTER_MEMBER_ACTIVE = pgtrigger.Trigger(
         | pgtrigger.Delete
         | pgtrigger.UpdateOf("cluster_job_id", "evaluation_id", "derivation_build_id")
     ),
-    declare=[("active", "boolean")],
     func=(
-        "IF TG_OP IN ('UPDATE', 'DELETE') THEN "
-        + _set_active_member("OLD.evaluation_id", "OLD.derivation_build_id", "false")
-        + "END IF; IF TG_OP IN ('INSERT', 'UPDATE') THEN "
-        "EXECUTE 'SELECT EXISTS (SELECT 1 FROM cluster_job WHERE id = $1 AND status = ANY($2))'"
-        f" INTO active USING NEW.cluster_job_id, {_ACTIVE}; "
-        + _set_active_member("NEW.evaluation_id", "NEW.derivation_build_id", "active")
-        + "END IF; RETURN NULL;"
+        "IF TG_OP IN ('UPDATE', 'DELETE') THEN"
+        " PERFORM set_active_member(OLD.evaluation_id, OLD.derivation_build_id, false);"
+        " END IF; IF TG_OP IN ('INSERT', 'UPDATE') THEN"
+        " PERFORM set_active_member(NEW.evaluation_id, NEW.derivation_build_id,"
+        " EXISTS (SELECT 1 FROM cluster_job c"
+        f" WHERE c.id = NEW.cluster_job_id AND c.status IN {_ACTIVE}));"
+        " END IF; RETURN NULL;"
     ),
 )
 
