@@ -14,7 +14,7 @@ every pass. Then ticks, each:
 
 1. clusters whose run ended report JobCompleted (sessions.reports); every slot so freed, and
    every idle slot once per heartbeat, asks as its session would: the head is read and offered
-   (sessions.consumer.read_head), the JobOffer answered with the scorer (Offered.record,
+   (sessions.request_job.read_head), the JobOffer answered with the scorer (Offered.record,
    offers.record_scores), then the RequestJob answered (assignment.request_job, which finds no
    single job and records the idle slot);
 2. a snapshot as the pass will see it (dispatch.snapshot over startable_clusters), then the
@@ -118,11 +118,11 @@ class Fleet:
 
     def ask(self, worker_id: int, kinds: list[str]) -> None:
         """The worker's RequestJobs for these free slots, as its session serves them."""
-        from sessions import consumer
+        from sessions import request_job
         from workers import assignment
 
         worker, offered = self.workers[worker_id], self.offered[worker_id]
-        head = consumer.read_head(worker, offered)
+        head = request_job.read_head(worker, offered)
         if head.offer is not None:
             self.answer(worker_id, [(job.job_id, job.paths) for job in head.offer.jobs])
         for kind in kinds:

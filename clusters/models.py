@@ -10,6 +10,7 @@ from django.db.models.lookups import Exact
 
 from gradient.jobs.models import DerivationBuild, Evaluation, JobKind, Project
 from gradient.jobs.states import StateMachine
+from gradient.wire.keys import member_key
 
 
 class ClusterStatus(models.TextChoices):
@@ -221,9 +222,7 @@ class ClusterMember(models.Model):
 
     @property
     def job_key(self) -> str:
-        if self.evaluation_id:
-            return f"eval:{self.evaluation_id}"
-        return f"build:{self.derivation_build_id}"
+        return member_key(self.evaluation_id, self.derivation_build_id)
 
 
 class ClusterAttempt(models.Model):

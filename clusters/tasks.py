@@ -3,13 +3,14 @@
 from celery import shared_task
 from celery.signals import worker_process_init, worker_ready
 
-from clusters.dispatch import clear_wake, run_pass
+from clusters.dispatch import run_pass
 from clusters.recovery import recover
 from clusters.retention import run_retention
+from clusters.wake import DISPATCH_TASK, clear_wake
 from gradient import heap
 
 
-@shared_task(name="clusters.dispatch", ignore_result=True)
+@shared_task(name=DISPATCH_TASK, ignore_result=True)
 def dispatch(woken: bool = False) -> dict:
     if woken:
         clear_wake()

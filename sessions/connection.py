@@ -17,6 +17,15 @@ from workers.models import IdleSlot, JobScore, Worker, hash_token
 TOUCH_EVERY = timedelta(seconds=5)
 
 
+def bearer_token(headers) -> str:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return ""
+
+
 def authenticate(token: str) -> tuple[int, str] | None:
     """(id, name) of the worker owning this token, unless unknown or revoked. Looked up by the
     token's hash: the index compares hashes, so no secret-dependent comparison happens in

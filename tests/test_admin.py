@@ -10,7 +10,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from clusters.admin import MAX_BARS, duration, timeline
+from clusters.cluster_page import MAX_BARS, duration, timeline
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome, JobKind
 from tests.factories import (

@@ -7,10 +7,11 @@ import pytest
 from django.utils import timezone
 
 from clusters import coordinator
-from clusters.dispatch import claim_placements, clusters_waiting, run_pass
+from clusters.dispatch import claim_placements, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.settlement import member_report
 from clusters.tracking import startable_clusters
+from clusters.wake import clusters_waiting
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.wire.protocol import MemberRef

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sessions.consumer import answer_request
+from sessions.request_job import answer_request
 from tests.factories import BuildFactory, ProjectFactory, WorkerFactory
 from workers.assignment import record_idle
 from workers.models import IdleSlot
@@ -10,7 +10,7 @@ from workers.models import IdleSlot
 
 @pytest.fixture(autouse=True)
 def no_wake(monkeypatch):
-    monkeypatch.setattr("sessions.consumer.wake_dispatch", lambda: True)
+    monkeypatch.setattr("sessions.request_job.wake_dispatch", lambda: True)
 
 
 def slots(worker) -> set[str]:

@@ -10,6 +10,7 @@ from django.db import models
 from django.db.models import Q
 
 from gradient.jobs.states import StateMachine
+from gradient.wire.keys import job_key
 
 
 class Project(models.Model):
@@ -148,11 +149,11 @@ class Evaluation(JobFields):
         ]
 
     def __str__(self):
-        return f"eval:{self.id}"
+        return self.job_key
 
     @property
     def job_key(self) -> str:
-        return f"eval:{self.id}"
+        return job_key(JobKind.EVAL, self.id)
 
 
 class DerivationBuild(JobFields):
@@ -181,11 +182,11 @@ class DerivationBuild(JobFields):
         ]
 
     def __str__(self):
-        return f"build:{self.id}"
+        return self.job_key
 
     @property
     def job_key(self) -> str:
-        return f"build:{self.id}"
+        return job_key(JobKind.BUILD, self.id)
 
 
 class JobKind(models.TextChoices):

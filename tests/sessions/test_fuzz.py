@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, StringConstraints
 from pydantic.fields import FieldInfo
 
+from gradient.wire.keys import JOB_KEY_PATTERN
 from gradient.wire.protocol import (
     INBOUND,
     OUTBOUND,
-    UUID_RE,
     Message,
     ProtocolError,
     WorkerCapabilities,
@@ -626,7 +626,7 @@ def malformed(to: str) -> st.SearchStrategy:
 
 def not_allowed_frames(world: World) -> st.SearchStrategy:
     """Well formed, but about jobs, assignments and attempts the fuzzer does not hold."""
-    job_keys = st.from_regex(rf"^(eval|build):{UUID_RE}$", fullmatch=True)
+    job_keys = st.from_regex(JOB_KEY_PATTERN, fullmatch=True)
     uuids = st.uuids().map(str)
 
     def cased(ids):
