@@ -135,10 +135,9 @@ CHANNEL_LAYERS = {
         "BACKEND": "gradient.channel_layer.BlockingRedisChannelLayer",
         "CONFIG": {
             # Messages waiting in Redis per channel key before a send is dropped. Every
-            # session of one daphne process shares one key (its process-specific inbox), so
-            # the default of 100 counted for hundreds of sessions together: a burst of
-            # AssignJobs to a busy daphne was dropped ("over capacity", logged at INFO) and
-            # its prepares timed out 30 s later (docs/reliability.md).
+            # session of one daphne process shares one key (its inbox), so the capacity is
+            # for hundreds of sessions together: a burst of AssignJobs must fit
+            # (docs/reliability.md).
             "capacity": CHANNEL_CAPACITY,
             "hosts": [
                 {
@@ -152,9 +151,8 @@ CHANNEL_LAYERS = {
                     # Else the same 30 s: a session start waits on its group_add, and a Redis
                     # starved of CPU (or gone) would hold every start that long.
                     "socket_connect_timeout": 5,
-                    # A Redis restart kills every pooled connection, and the first command on
-                    # each failed: a pass's AssignJobs were lost and their prepares timed out.
-                    # Reconnect and try once more (redis-py retries nothing unless told).
+                    # A Redis restart kills every pooled connection: reconnect and try once
+                    # more (redis-py retries nothing unless told), so no AssignJob is lost.
                     "retry_on_error": [redis.exceptions.ConnectionError],
                 }
             ],
