@@ -12,9 +12,9 @@ set), Channels' in-memory layer, and the reference worker's deterministic scorer
 database: the fleet, and a queue of clusters of 2 to 4 members topped up to the depth before
 every pass. Then ticks, each:
 
-1. clusters whose run ended report JobCompleted (workers.reports); every slot so freed, and
+1. clusters whose run ended report JobCompleted (sessions.reports); every slot so freed, and
    every idle slot once per heartbeat, asks as its session would: the head is read and offered
-   (workers.consumer.read_head), the JobOffer answered with the scorer (Offered.record,
+   (sessions.request_job.read_head), the JobOffer answered with the scorer (Offered.record,
    offers.record_scores), then the RequestJob answered (assignment.request_job, which finds no
    single job and records the idle slot);
 2. a snapshot as the pass will see it (dispatch.snapshot over startable_clusters), then the
@@ -119,10 +119,11 @@ class Fleet:
 
     def ask(self, worker_id: int, kinds: list[str]) -> None:
         """The worker's RequestJobs for these free slots, as its session serves them."""
-        from workers import assignment, consumer
+        from sessions import request_job
+        from workers import assignment
 
         worker, offered = self.workers[worker_id], self.offered[worker_id]
-        head = consumer.read_head(worker, offered)
+        head = request_job.read_head(worker, offered)
         if head.offer is not None:
             self.answer(worker_id, [(job.job_id, job.paths) for job in head.offer.jobs])
         for kind in kinds:
@@ -132,8 +133,8 @@ class Fleet:
 
     def answer(self, worker_id: int, jobs) -> None:
         """A JobScores for these (job key, paths), as the session records it."""
+        from gradient.wire.protocol import Score
         from workers import offers
-        from workers.protocol import Score
 
         scores = [
             Score(job_id=key, missing_count=c, missing_nar_size=s)
@@ -315,7 +316,7 @@ class Running:
         self.ends: list[tuple[int, list]] = []  # (the tick it ends at, seat rows)
 
     def start(self, seats: dict[int, list], now: int) -> None:
-        from workers import reports
+        from sessions import reports
 
         for rows in seats.values():
             for _, worker_id, key, _ in rows:
@@ -324,7 +325,7 @@ class Running:
 
     def finish_due(self, now: int) -> dict[int, list[str]]:
         """JobCompleted from every seat of the clusters whose run ended; the slots freed."""
-        from workers import reports
+        from sessions import reports
 
         due = [rows for end, rows in self.ends if end <= now]
         self.ends = [(end, rows) for end, rows in self.ends if end > now]

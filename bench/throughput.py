@@ -77,7 +77,7 @@ class Tally:
 
 
 def counting_worker_class(tally: Tally):
-    from workers.protocol import JobScores
+    from gradient.wire.protocol import JobScores
     from workers.simulator import SimulatedWorker
 
     class CountingWorker(SimulatedWorker):

@@ -34,8 +34,8 @@ from clusters.settlement import abort_attempt
 from gradient.jobs.models import BuildStatus, DispatchedJob, DispatchedOutcome, EvaluationStatus
 from gradient.jobs.transitions import advance_builds, advance_evaluations, move
 from gradient.logs import ids
-from workers.groups import send_frames
-from workers.protocol import AbortJob
+from gradient.wire.groups import send_frames
+from gradient.wire.protocol import AbortJob
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from django.utils import timezone
 from clusters import planner
 from clusters.tracking import StartableCluster
 from gradient.postgresql.arrays import int_array, text_array
-from workers.groups import send_frames
+from gradient.wire.groups import send_frames
 from workers.head import window
 from workers.offers import RenderedOffer
 

@@ -23,13 +23,14 @@ from clusters.models import (
     ClusterMember,
     ClusterStatus,
 )
-from clusters.tracking import role_indexes
+from clusters.tracking import ROLE_INDEX_SQL, role_indexes
 from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import EVALUATION_MACHINE, DispatchedJob, EvaluationStatus
 from gradient.logs import ids
-from workers.groups import send_frames
-from workers.protocol import (
+from gradient.wire.groups import send_frames
+from gradient.wire.keys import member_key_sql
+from gradient.wire.protocol import (
     AbortCluster,
     ForwardedSignal,
     MemberRef,
@@ -65,8 +66,7 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
 #   Running), its cluster Queued -> Running and counting it (so a failed prepare never spends
 #   the budget), the member evaluations Queued -> EvaluatingFlake (builds went Building at the
 #   claim). There is no start apart from this statement.
-# - members: once started, each member's (role, index), numbered as
-#   clusters.tracking.role_indexes numbers them, for the roster.
+# - members: once started, each member's (role, index) (clusters.tracking), for the roster.
 # A row per seat with its worker when this acceptance started the attempt, else one row.
 # Times are the database's clock as each write happens, after the locks: a time taken before
 # the statement would be older than an acceptance committed while this one waited for the
@@ -116,8 +116,8 @@ WITH held AS (
 ), evaluating AS (
 {_EVALUATING}
 ), members AS (
-    SELECT coalesce('eval:' || evaluation_id, 'build:' || derivation_build_id) AS job_id, role,
-           row_number() OVER (PARTITION BY role ORDER BY id) - 1 AS index
+    SELECT {member_key_sql("evaluation_id", "derivation_build_id")} AS job_id, role,
+           {ROLE_INDEX_SQL} AS index
     FROM cluster_member WHERE cluster_job_id = (SELECT id FROM running)
 )
 SELECT h.cluster_attempt_id, EXISTS (SELECT 1 FROM accept),

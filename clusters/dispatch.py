@@ -17,16 +17,15 @@ from datetime import timedelta
 from itertools import batched
 from typing import NamedTuple
 
-import redis
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import connection
 from django.utils import timezone
 
-from clusters import planner, reservation
+from clusters import planner, reservation, wake
 from clusters.asking import Asking
 from clusters.claim import ClusterClaim, claim_clusters
 from clusters.coordinator import expire_overdue_prepares
-from clusters.models import AttemptOutcome, ClusterStatus
+from clusters.models import AttemptOutcome
 from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
@@ -38,19 +37,16 @@ from clusters.tracking import (
 )
 from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
-from gradient.jobs.models import JobKind
+from gradient.jobs.steps import MEMBER_STEPS
 from gradient.logs import ids
-from workers.groups import send_frames
+from gradient.wire.groups import send_frames
+from gradient.wire.protocol import ClusterHold
+from workers.assignment import assign_job
 from workers.health import quarantined_sql
-from workers.protocol import AssignJob, ClusterHold, JobSpec
 
 log = logging.getLogger(__name__)
 
 PASS_LOCK = 0x6772_6164_6973  # advisory lock key of the dispatch pass
-MEMBER_STEPS = {
-    JobKind.EVAL: ["fetch", "evaluate_flake", "evaluate_derivations"],  # never split
-    JobKind.BUILD: ["build"],
-}
 
 
 @dataclass
@@ -188,32 +184,27 @@ def _cluster_claim(placement: planner.Placement, rows: dict[str, MemberRow], sin
 
 
 def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) -> list:
-    """The AssignJob frames of a claim won. Built from the database's own rows, so not
-    validated again (model_construct): validating thousands of nested frames was a third of
-    the claims' time in a large pass."""
+    """The AssignJob frames of a claim won."""
     frames = []
     hold = hold_secs()
     attempt = str(claim.attempt_id)
     for assignment, (seat, row) in zip(claim.members, members, strict=True):
-        job = str(row.job)
+        hold_of = ClusterHold.model_construct(
+            attempt=attempt, role=row.role, index=row.index, hold_secs=hold
+        )
         frames.append(
             (
                 seat.worker.id,
-                AssignJob.model_construct(
-                    job_id=row.key,
-                    assignment_id=str(assignment.id),
-                    job=JobSpec.model_construct(
-                        kind=row.kind,
-                        project=row.project,
-                        evaluation=job if row.kind == JobKind.EVAL else None,
-                        build=job if row.kind == JobKind.BUILD else None,
-                        architecture=row.architecture,
-                        required_features=list(row.features),
-                        steps=assignment.steps,
-                    ),
-                    cluster=ClusterHold.model_construct(
-                        attempt=attempt, role=row.role, index=row.index, hold_secs=hold
-                    ),
+                assign_job(
+                    row.key,
+                    assignment.id,
+                    row.kind,
+                    row.job,
+                    row.project,
+                    row.architecture,
+                    row.features,
+                    assignment.steps,
+                    hold_of,
                 ),
             )
         )
@@ -362,7 +353,7 @@ def run_pass(wait: bool = False) -> PassResult:
             result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
             if asking.due is not None:
                 result.waiting_for_scores = True
-                run_at(asking.due)
+                wake.run_at(asking.due)
         claimed_now = set(result.claimed)
         result.reservation = age_reservations(ready, claimed_now, rows, since, now)
         note_waiting([c.id for c in ready if c.id not in claimed_now], now)
@@ -372,81 +363,3 @@ def run_pass(wait: bool = False) -> PassResult:
         result.seconds = time.monotonic() - began
         metrics.observe_dispatch_pass(result.seconds)
     return result
-
-
-# Wake-ups: coalesced in Redis so a burst of unanswered RequestJobs queues one pass.
-
-WAKE_KEY = "gradient:dispatch:queued"
-_redis = None
-
-
-def _client():
-    global _redis
-    if _redis is None:
-        _redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1)
-    return _redis
-
-
-# A wake-up can place something only while a cluster waits for seats (Queued, no open attempt)
-# or a reservation waits for its seats to be idle. Otherwise idle workers asking for work would
-# keep a pass running back to back, and the one wake-up that completes a placement would
-# queue behind it.
-WAITING_SQL = f"""
-SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEUED}'
-               AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                               WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL))
-    OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)
-"""
-
-
-def clusters_waiting() -> bool:
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(WAITING_SQL)
-            return cursor.fetchone()[0]
-    except DatabaseError:
-        return True  # not known: wake, as before
-
-
-def wake_dispatch() -> bool:
-    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
-    for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
-    up for."""
-    from clusters.tasks import dispatch
-
-    if not clusters_waiting():
-        return False
-    try:
-        if not _client().set(WAKE_KEY, 1, nx=True, ex=10):
-            return False
-        dispatch.delay(woken=True)
-    except Exception:
-        log.warning("could not wake the dispatch pass", exc_info=True)
-        return False
-    return True
-
-
-DUE_KEY = "gradient:dispatch:due"
-
-
-def run_at(when) -> None:
-    """Queue a pass for `when` (the clusters held for their scores are placed by then,
-    answered or not), unless one is queued for about then already: every pass that holds a
-    cluster asks for one, and a queue of them would run back to back, each waiting for the
-    lock. Best effort: the periodic pass makes up for a lost one."""
-    from clusters.tasks import dispatch
-
-    try:
-        delay = max(0.0, (when - timezone.now()).total_seconds())
-        if _client().set(DUE_KEY, 1, nx=True, px=max(1, int(delay * 1000))):
-            dispatch.apply_async(kwargs={"woken": True}, countdown=delay)
-    except Exception:
-        log.warning("could not queue the dispatch pass", exc_info=True)
-
-
-def clear_wake() -> None:
-    """Called as a woken pass starts: a wake-up from now on queues another pass."""
-    try:
-        _client().delete(WAKE_KEY)
-    except Exception:
-        log.warning("could not clear the dispatch wake-up", exc_info=True)

@@ -3,12 +3,14 @@ the jobs it assigns and points back here through cluster_attempt)."""
 
 import uuid
 
+import pgtrigger
 from django.db import models
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Exact
 
 from gradient.jobs.models import DerivationBuild, Evaluation, JobKind, Project
 from gradient.jobs.states import StateMachine
+from gradient.wire.keys import member_key
 
 
 class ClusterStatus(models.TextChoices):
@@ -78,6 +80,44 @@ ATTEMPT_MACHINE = StateMachine(
 )
 
 
+# The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
+# of a Queued or Running cluster, whoever writes cluster_job or cluster_member. The flag is
+# written by set_active_member(evaluation, build, active) (clusters migration 0005), an SQL
+# function: it is planned at each call, where PL/pgSQL would keep one plan made once.
+_ACTIVE = "(" + ", ".join(f"'{s}'" for s in sorted(CLUSTER_ACTIVE)) + ")"
+CLUSTER_JOB_ACTIVE = pgtrigger.Trigger(
+    name="cluster_job_active",
+    when=pgtrigger.After,
+    operation=pgtrigger.UpdateOf("status"),
+    condition=pgtrigger.Condition(
+        f"((OLD.status IN {_ACTIVE}) IS DISTINCT FROM (NEW.status IN {_ACTIVE}))"
+    ),
+    func=(
+        "PERFORM set_active_member(m.evaluation_id, m.derivation_build_id,"
+        f" NEW.status IN {_ACTIVE}) FROM cluster_member m WHERE m.cluster_job_id = NEW.id;"
+        " RETURN NULL;"
+    ),
+)
+CLUSTER_MEMBER_ACTIVE = pgtrigger.Trigger(
+    name="cluster_member_active",
+    when=pgtrigger.After,
+    operation=(
+        pgtrigger.Insert
+        | pgtrigger.Delete
+        | pgtrigger.UpdateOf("cluster_job_id", "evaluation_id", "derivation_build_id")
+    ),
+    func=(
+        "IF TG_OP IN ('UPDATE', 'DELETE') THEN"
+        " PERFORM set_active_member(OLD.evaluation_id, OLD.derivation_build_id, false);"
+        " END IF; IF TG_OP IN ('INSERT', 'UPDATE') THEN"
+        " PERFORM set_active_member(NEW.evaluation_id, NEW.derivation_build_id,"
+        " EXISTS (SELECT 1 FROM cluster_job c"
+        f" WHERE c.id = NEW.cluster_job_id AND c.status IN {_ACTIVE}));"
+        " END IF; RETURN NULL;"
+    ),
+)
+
+
 class ClusterJob(models.Model):
     project = models.ForeignKey(Project, on_delete=models.DO_NOTHING, related_name="+")
     status = models.CharField(
@@ -103,6 +143,7 @@ class ClusterJob(models.Model):
 
     class Meta:
         db_table = "cluster_job"
+        triggers = [CLUSTER_JOB_ACTIVE]
         indexes = [
             # The cluster book (tracking) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
@@ -146,6 +187,7 @@ class ClusterMember(models.Model):
 
     class Meta:
         db_table = "cluster_member"
+        triggers = [CLUSTER_MEMBER_ACTIVE]
         ordering = ["cluster_job_id", "role", "id"]
         constraints = [
             models.CheckConstraint(
@@ -180,9 +222,7 @@ class ClusterMember(models.Model):
 
     @property
     def job_key(self) -> str:
-        if self.evaluation_id:
-            return f"eval:{self.evaluation_id}"
-        return f"build:{self.derivation_build_id}"
+        return member_key(self.evaluation_id, self.derivation_build_id)
 
 
 class ClusterAttempt(models.Model):

@@ -29,11 +29,13 @@ from gradient.jobs.models import (
     DispatchedJob,
     DispatchedOutcome,
 )
+from gradient.wire.keys import member_key_sql
 
 log = logging.getLogger(__name__)
 
 
-STARTED_WITH_LOST_OR_DEAD_SQL = """
+MEMBER_KEY = member_key_sql("m.evaluation_id", "m.derivation_build_id")
+STARTED_WITH_LOST_OR_DEAD_SQL = f"""
 SELECT a.id,
        bool_or(e.status = ANY(%(dead_evals)s) OR b.status = ANY(%(dead_builds)s)) AS dead,
        bool_or(d.id IS NULL OR w.channel_name IS NULL OR w.last_seen_at < %(silent)s) AS lost
@@ -42,8 +44,7 @@ JOIN cluster_member m ON m.cluster_job_id = a.cluster_job_id
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
 LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
 LEFT JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.finished_at IS NULL
-    AND d.job_id = CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
-                        ELSE 'build:' || m.derivation_build_id::text END
+    AND d.job_id = {MEMBER_KEY}
 LEFT JOIN worker w ON w.id = d.worker_id
 WHERE a.finished_at IS NULL AND a.started_at IS NOT NULL
 GROUP BY a.id
@@ -96,7 +97,7 @@ def _report_silent_members(attempt_id, silent) -> bool:
 
 # A cluster's members as the verdict reads a lost one, the cluster locked; no rows once it
 # has an open attempt or is no longer Running.
-STRANDED_MEMBERS_SQL = """
+STRANDED_MEMBERS_SQL = f"""
 WITH c AS (
     SELECT id, attempts, retry_budget FROM cluster_job
     WHERE id = %(cluster)s AND status = %(running)s
@@ -105,8 +106,7 @@ WITH c AS (
     FOR UPDATE
 )
 SELECT c.attempts, c.retry_budget,
-       CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
-            ELSE 'build:' || m.derivation_build_id::text END,
+       {MEMBER_KEY},
        m.evaluation_id, m.derivation_build_id, m."primary",
        coalesce(e.status, b.status) = ANY(%(dead)s),
        coalesce(e.status, b.status) = ANY(%(aborted)s)

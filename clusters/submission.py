@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from django.db import transaction
 
-from clusters.dispatch import wake_dispatch
 from clusters.models import ClusterJob, ClusterMember
+from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind, Project
 from gradient.jobs.submission import (
     JobSpec,

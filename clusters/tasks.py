@@ -3,14 +3,15 @@
 from celery import shared_task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
-from clusters.dispatch import clear_wake, run_pass
+from clusters.dispatch import run_pass
 from clusters.recovery import recover
 from clusters.retention import run_retention
+from clusters.wake import DISPATCH_TASK, clear_wake
 from gradient import heap
-from workers.groups import drain_sends
+from gradient.wire.groups import drain_sends
 
 
-@shared_task(name="clusters.dispatch", ignore_result=True)
+@shared_task(name=DISPATCH_TASK, ignore_result=True)
 def dispatch(woken: bool = False) -> dict:
     if woken:
         clear_wake()

@@ -19,6 +19,7 @@ from clusters import planner
 from clusters.models import AttemptOutcome, ClusterStatus
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
+from gradient.wire.keys import member_key, member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 
 
@@ -91,6 +92,10 @@ def planned_worker(
     )
 
 
+# The same numbering in SQL, over cluster_member's rows of one cluster.
+ROLE_INDEX_SQL = "row_number() OVER (PARTITION BY role ORDER BY id) - 1"
+
+
 def role_indexes(members) -> dict[str, tuple[str, int]]:
     """job key -> (role, index): members of one role count from 0 in creation (id) order."""
     seen: dict[str, int] = {}
@@ -120,8 +125,7 @@ GROUP BY c.id
 HAVING bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}', b.status = '{BuildStatus.QUEUED}'))
    AND NOT bool_or(EXISTS (
         SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
-            CASE WHEN m.evaluation_id IS NOT NULL THEN 'eval:' || m.evaluation_id::text
-                 ELSE 'build:' || m.derivation_build_id::text END))
+            {member_key_sql("m.evaluation_id", "m.derivation_build_id")}))
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC
 LIMIT %(limit)s
 """
@@ -160,9 +164,7 @@ class _Member(NamedTuple):
 
     @property
     def job_key(self) -> str:
-        if self.evaluation_id:
-            return f"eval:{self.evaluation_id}"
-        return f"build:{self.derivation_build_id}"
+        return member_key(self.evaluation_id, self.derivation_build_id)
 
 
 def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:

@@ -16,7 +16,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from gradient import heap  # noqa: E402
-from workers.consumer import WorkerConsumer  # noqa: E402
+from sessions.consumer import WorkerConsumer  # noqa: E402
 
 
 class _Formatted:

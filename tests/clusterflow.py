@@ -13,8 +13,8 @@ from clusters.coordinator import accept_assignment
 from clusters.models import ClusterAttempt
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import DispatchedJob
+from gradient.wire.groups import worker_group
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
-from workers.groups import worker_group
 from workers.models import IdleSlot
 
 

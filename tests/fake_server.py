@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator import (
     SimulatedWorker,
     WorkerConfig,

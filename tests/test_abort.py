@@ -20,7 +20,7 @@ from tests.aborting import (
     worker_of,
 )
 from tests.clusterflow import Inbox, idle_workers
-from workers.reports import job_failed
+from sessions.reports import job_failed
 
 pytestmark = pytest.mark.usefixtures("memory_layer")
 

@@ -1,7 +1,8 @@
-"""Each job row's active_member (clusters migration 0005): true exactly while the job is a
+"""Each job row's active_member (the triggers in clusters.models): true exactly while the job is a
 member of a Queued or Running cluster, whatever writes cluster_member or cluster_job (raw SQL
 here, as the triggers must not depend on the code that writes), and the single path reads it."""
 
+import pgtrigger
 import pytest
 from django.db import connection
 
@@ -95,3 +96,15 @@ def test_the_single_path_gives_out_a_member_only_once_its_cluster_has_finished()
     sql("UPDATE cluster_job SET status = 'Failed' WHERE id = %s", cluster.pk)
     given = assignment.request_job(worker.pk, JobKind.BUILD)
     assert given is not None and given.job.build == str(members[0].derivation_build_id)
+
+
+def test_every_trigger_is_declared_on_a_model():
+    """The database's triggers are the models' (pgtrigger), installed as declared: none made
+    by hand in a migration alone, none out of date."""
+    declared = {trigger.get_pgid(model) for model, trigger in pgtrigger.registered()}
+    assert declared
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")
+        assert {name for (name,) in cursor.fetchall()} == declared
+    for model, trigger in pgtrigger.registered():
+        assert trigger.get_installation_status(model)[0] == "INSTALLED", trigger.name

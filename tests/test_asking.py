@@ -14,7 +14,7 @@ from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory
 from workers import offers
 from workers.models import IdleSlot, JobScore, Worker
-from workers.protocol import Score
+from gradient.wire.protocol import Score
 
 pytestmark = pytest.mark.django_db
 

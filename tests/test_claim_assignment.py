@@ -2,11 +2,12 @@ import pytest
 from django.utils import timezone
 
 from gradient.errors import NotAllowed
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment, job_key
+from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, DispatchedJob, JobKind
+from gradient.wire.keys import job_key
+from sessions import reports
 from tests.concurrency import race
 from tests.factories import BuildFactory, EvaluationFactory, WorkerFactory
-from workers import reports
 
 
 def assignment(job, worker, kind=JobKind.EVAL, substitute=False):

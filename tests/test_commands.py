@@ -21,7 +21,7 @@ from gradient.jobs.models import (
 )
 from tests.commands import manage, run
 from tests.factories import ProjectFactory, WorkerFactory
-from workers.groups import worker_group
+from gradient.wire.groups import worker_group
 from workers.models import Worker, hash_token
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_revoke_succeeds_with_a_warning_when_the_channel_layer_is_unreachable(
     WorkerFactory(name="w1")
 
     with (
-        caplog.at_level(logging.WARNING, logger="workers.groups"),
+        caplog.at_level(logging.WARNING, logger="gradient.wire.groups"),
         django_capture_on_commit_callbacks(execute=True),
     ):
         out = run("create_worker", "w1", "--revoke")

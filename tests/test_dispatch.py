@@ -7,18 +7,19 @@ import pytest
 from django.utils import timezone
 
 from clusters import coordinator
-from clusters.dispatch import claim_placements, clusters_waiting, run_pass
+from clusters.dispatch import claim_placements, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.settlement import member_report
 from clusters.tracking import startable_clusters
+from clusters.wake import clusters_waiting
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from gradient.wire.protocol import MemberRef
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.assignment import record_idle
 from workers.models import IdleSlot, Worker
-from workers.protocol import MemberRef
 
 pytestmark = pytest.mark.django_db
 

@@ -15,7 +15,7 @@ from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
-from workers.groups import drain_sends
+from gradient.wire.groups import drain_sends
 from workers.models import JobScore
 
 pytestmark = pytest.mark.django_db(transaction=True)

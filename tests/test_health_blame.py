@@ -13,7 +13,7 @@ from clusters.settlement import member_report
 from gradient.jobs.models import DispatchedJob
 from tests.clusterflow import claim_for, make_cluster
 from tests.factories import WorkerFactory
-from workers.connection import detach
+from sessions.connection import detach
 from workers.models import Worker
 
 

@@ -7,7 +7,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from tests.fake_server import BUILDER, FakeServer, assign, hold, ready, roster
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.management.commands.simulate_workers import FLAKY_WAYS, flaky_workers
 
 

@@ -2,15 +2,15 @@
 
 import pytest
 
+from sessions.request_job import answer_request
 from tests.factories import BuildFactory, ProjectFactory, WorkerFactory
 from workers.assignment import record_idle
-from workers.consumer import answer_request
 from workers.models import IdleSlot
 
 
 @pytest.fixture(autouse=True)
 def no_wake(monkeypatch):
-    monkeypatch.setattr("workers.consumer.wake_dispatch", lambda: True)
+    monkeypatch.setattr("sessions.request_job.wake_dispatch", lambda: True)
 
 
 def slots(worker) -> set[str]:

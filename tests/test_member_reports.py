@@ -16,6 +16,8 @@ from clusters.verdict import LOST
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.jobs.transitions import advance_evaluation
+from sessions.connection import detach
+from sessions.liveness import disconnect_silent_workers
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import frozen_connection, race
 from tests.factories import (
@@ -24,8 +26,6 @@ from tests.factories import (
     EvalMemberFactory,
     WorkerFactory,
 )
-from workers.connection import detach
-from workers.liveness import disconnect_silent_workers
 from workers.models import Worker
 
 
@@ -202,7 +202,7 @@ def test_retry_budget_bounds_retries_not_the_per_evaluation_assignment_budget(se
 @pytest.mark.django_db
 def test_a_disconnect_reports_a_member_lost_into_the_verdict_never_as_a_single_job():
     """Members count as tracked while their attempt is open: the abandoned-dispatch sweep
-    (workers.connection.abandon_single_assignments, on a disconnect) leaves them alone."""
+    (sessions.connection.abandon_single_assignments, on a disconnect) leaves them alone."""
     cluster, rows, _, _ = started_cluster(retry_budget=0)
     gone = rows["build"]
     Worker.objects.filter(pk=gone.worker_id).update(channel_name="socket")

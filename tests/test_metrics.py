@@ -27,10 +27,10 @@ from gradient import metrics
 from gradient.asgi import application
 from gradient.jobs.models import DispatchedJob
 from gradient.logs import JsonFormatter, ids
+from gradient.wire.protocol import MemberRef
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 from workers.models import IdleSlot
-from workers.protocol import MemberRef
 
 TEST_REDIS_DB = 12
 CAPS = {

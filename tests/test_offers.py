@@ -8,6 +8,8 @@ from django.utils import timezone
 
 from clusters.models import ClusterJob
 from gradient.jobs.models import DerivationBuild, Evaluation
+from gradient.wire.protocol import Score
+from sessions import connection
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -17,10 +19,9 @@ from tests.factories import (
     WorkerFactory,
     waiting,
 )
-from workers import connection, offers
+from workers import offers
 from workers.head import offerable, read_singles
 from workers.models import JobScore
-from workers.protocol import Score
 
 pytestmark = pytest.mark.django_db
 

@@ -20,6 +20,9 @@ from gradient.jobs.models import (
     Evaluation,
     EvaluationStatus,
 )
+from gradient.jobs.steps import FETCH_STEPS
+from sessions import reports
+from sessions.request_job import offer_or_answer
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import (
     BuildFactory,
@@ -30,9 +33,6 @@ from tests.factories import (
     ProjectFactory,
     WorkerFactory,
 )
-from workers import reports
-from workers.consumer import offer_or_answer
-from workers.head import FETCH_STEPS
 from workers.models import IdleSlot
 from workers.offers import Offered
 
@@ -91,7 +91,7 @@ def counted(fn, *args):
 @pytest.fixture(autouse=True)
 def no_wake(monkeypatch):
     """The dispatch wake-up goes to Redis, not PostgreSQL."""
-    monkeypatch.setattr("workers.consumer.wake_dispatch", lambda: True)
+    monkeypatch.setattr("sessions.request_job.wake_dispatch", lambda: True)
 
 
 def queued(kind, project, **fields):

@@ -12,7 +12,7 @@ from tests.concurrency import race
 from tests.factories import WorkerFactory
 from workers import offers
 from workers.models import JobScore
-from workers.protocol import Score
+from gradient.wire.protocol import Score
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

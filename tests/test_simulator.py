@@ -21,7 +21,7 @@ from tests.fake_server import (
     hold,
     running,
 )
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator import (
     Fleet,
     SimulatedWorker,

@@ -4,7 +4,7 @@ against a fake server on a real socket."""
 import pytest
 
 from tests.fake_server import ATT1, ATT2, SLOW, assign, build, fleet_of_one, hold, roster
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator import (
     HOLD_TIMED_OUT,
     WorkerConfig,

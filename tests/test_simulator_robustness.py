@@ -18,7 +18,7 @@ from tests.fake_server import (
     ready,
     running,
 )
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator import (
     Fleet,
     SimulatedWorker,

@@ -17,12 +17,9 @@ from django.conf import settings
 from django.db import connection
 
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
+from gradient.jobs.steps import BUILD_STEPS, FETCH_STEPS, FOLLOW_UP_STEPS, FULL_STEPS
+from gradient.wire.keys import PREFIX
 from workers.models import Worker
-
-FULL_STEPS = ["fetch", "evaluate_flake", "evaluate_derivations"]
-FETCH_STEPS = ["fetch"]
-FOLLOW_UP_STEPS = ["evaluate_flake", "evaluate_derivations"]
-BUILD_STEPS = ["build"]
 
 
 def window() -> int:
@@ -62,7 +59,7 @@ def offerable(worker: Worker, kind: str) -> Offerable | None:
 
 def job_table(kind: str) -> tuple[str, str]:
     """(table, job key prefix) of a kind."""
-    return ("derivation_build", "build:") if kind == JobKind.BUILD else ("evaluation", "eval:")
+    return ("derivation_build" if kind == JobKind.BUILD else "evaluation"), PREFIX[kind]
 
 
 def literals(values) -> str:

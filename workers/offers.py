@@ -21,9 +21,9 @@ from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
+from gradient.wire.protocol import JobOffer, OfferedJob
 from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
-from workers.protocol import JobOffer, OfferedJob
 
 SETTLE = timedelta(seconds=10)
 

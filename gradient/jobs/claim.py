@@ -18,13 +18,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
-
-EVAL_PREFIX = "eval:"
-BUILD_PREFIX = "build:"
-
-
-def job_key(kind: str, job_uuid) -> str:
-    return f"{EVAL_PREFIX if kind == JobKind.EVAL else BUILD_PREFIX}{job_uuid}"
+from gradient.wire.keys import job_key
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from django.db import models
 from django.db.models import Q
 
 from gradient.jobs.states import StateMachine
+from gradient.wire.keys import job_key
 
 
 class Project(models.Model):
@@ -111,8 +112,8 @@ class JobFields(models.Model):
     prioritized = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    # A member of a Queued or Running cluster: kept by triggers on cluster_member and
-    # cluster_job (clusters migration 0005), whoever writes them. Such a job is never a single.
+    # A member of a Queued or Running cluster: kept by the triggers on cluster_member and
+    # cluster_job (clusters.models, their Meta), whoever writes them. Never a single job.
     active_member = models.BooleanField(default=False, db_default=False, editable=False)
     # Times a younger single job of its kind was given out while this one was first in line:
     # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
@@ -148,11 +149,11 @@ class Evaluation(JobFields):
         ]
 
     def __str__(self):
-        return f"eval:{self.id}"
+        return self.job_key
 
     @property
     def job_key(self) -> str:
-        return f"eval:{self.id}"
+        return job_key(JobKind.EVAL, self.id)
 
 
 class DerivationBuild(JobFields):
@@ -181,11 +182,11 @@ class DerivationBuild(JobFields):
         ]
 
     def __str__(self):
-        return f"build:{self.id}"
+        return self.job_key
 
     @property
     def job_key(self) -> str:
-        return f"build:{self.id}"
+        return job_key(JobKind.BUILD, self.id)
 
 
 class JobKind(models.TextChoices):

@@ -12,12 +12,12 @@ import websockets
 from django.db import connection
 from websockets.asyncio.client import connect
 
+from gradient.wire.protocol import MAX_FRAME_BYTES
 from tests.e2e.conftest import LAUNCHERS, ROOT, VENV_BIN, Processes
 from tests.e2e.fleet import q
 from tests.e2e.test_worker_sessions import CAPS, bearer
 from tests.factories import WorkerFactory
 from workers.models import hash_token
-from workers.protocol import MAX_FRAME_BYTES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -139,7 +139,7 @@ async def test_the_liveness_pass_closes_a_silent_worker_with_4408(url, process_e
             "shell",
             "--no-imports",
             "-c",
-            "from workers.tasks import liveness; print(liveness())",
+            "from sessions.tasks import liveness; print(liveness())",
             GRADIENT_WORKER_TIMEOUT_SECS="1",
         )
         assert out.split() == ["1"]

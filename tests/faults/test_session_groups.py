@@ -9,10 +9,10 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
+from gradient.wire.groups import worker_group
+from sessions import consumer
 from tests.factories import WorkerFactory
 from tests.sessions.conftest import Session
-from workers import consumer
-from workers.groups import worker_group
 from workers.models import Worker, hash_token
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]

@@ -24,7 +24,7 @@ from tests.sessions.schema_strategies import (
     slots,
     valid_frames,
 )
-from workers.protocol import INBOUND, OUTBOUND, Message, ProtocolError, parse_inbound
+from gradient.wire.protocol import INBOUND, OUTBOUND, Message, ProtocolError, parse_inbound
 
 
 @dataclass

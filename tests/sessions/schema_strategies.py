@@ -1,4 +1,4 @@
-"""Hypothesis strategies derived from the schemas of workers.protocol: every field type of
+"""Hypothesis strategies derived from the schemas of gradient.wire.protocol: every field type of
 protocol.py maps to a JSON kind and a strategy of valid JSON values, and a frame's typed
 places (slots) can be walked, read, set and dropped. An unknown field type fails loudly here
 rather than go unfuzzed."""
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, StringConstraints
 from pydantic.fields import FieldInfo
 
-from workers.protocol import INBOUND
+from gradient.wire.protocol import INBOUND
 
 JSON_KINDS = ("null", "bool", "int", "float", "string", "array", "object")
 

@@ -5,7 +5,7 @@ import pytest
 from autobahn.twisted.websocket import WebSocketServerProtocol
 from autobahn.websocket.protocol import WebSocketProtocol
 
-from workers import consumer
+from sessions import consumer
 
 SENT_BY_THE_SESSION = {
     "CLOSE_ERROR": consumer.CLOSE_ERROR,

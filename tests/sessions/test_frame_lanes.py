@@ -11,10 +11,10 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from gradient.jobs.models import DispatchedJob
+from gradient.wire.protocol import JobScores, RequestJob
+from sessions.consumer import WorkerConsumer
+from sessions.frame_queue import FrameQueue
 from tests.factories import BuildFactory, EvaluationFactory
-from workers.consumer import WorkerConsumer
-from workers.frame_queue import FrameQueue
-from workers.protocol import JobScores, RequestJob
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,5 +1,5 @@
 """Fuzzing the worker protocol's parser alone (no database, many examples): strategies
-derived from the schemas of workers.protocol, over every message, plus arbitrary JSON, text
+derived from the schemas of gradient.wire.protocol, over every message, plus arbitrary JSON, text
 and bytes. The parser returns a message of the frame's class or raises ProtocolError with a
 message, never anything else; valid frames parse back equal, unknown fields are ignored, a
 dropped or mistyped field is refused.
@@ -29,7 +29,7 @@ from tests.sessions.schema_strategies import (
     objects,
     valid_frames,
 )
-from workers.protocol import INBOUND, OUTBOUND, ProtocolError, parse_inbound, parse_outbound
+from gradient.wire.protocol import INBOUND, OUTBOUND, ProtocolError, parse_inbound, parse_outbound
 
 PARSER = fuzz_settings(max_examples=250, deadline=None)
 

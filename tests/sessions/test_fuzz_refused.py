@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from tests.sessions.bad_frames import damaged_text, encoded, mutated, rejected, shaped_frames
 from tests.sessions.fuzz_harness import SESSION, OnLoop, q, send_raw
 from tests.sessions.schema_strategies import objects, valid_frames
-from workers.protocol import INBOUND, UUID_RE
+from gradient.wire.keys import JOB_KEY_PATTERN
+from gradient.wire.protocol import INBOUND
 
 SNAPSHOT_APPS = ("jobs", "workers", "clusters")
 VOLATILE = {"last_seen_at"}  # liveness: any frame may refresh it
@@ -150,7 +151,7 @@ def malformed(to: str) -> st.SearchStrategy:
 
 def not_allowed_frames(world: World) -> st.SearchStrategy:
     """Well formed, but about jobs, assignments and attempts the fuzzer does not hold."""
-    job_keys = st.from_regex(rf"^(eval|build):{UUID_RE}$", fullmatch=True)
+    job_keys = st.from_regex(JOB_KEY_PATTERN, fullmatch=True)
     uuids = st.uuids().map(str)
 
     def cased(ids):

@@ -6,8 +6,8 @@ from django.utils import timezone
 from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
 from gradient.jobs.transitions import advance_build
+from sessions.liveness import disconnect_silent_workers
 from tests.factories import BuildFactory, WorkerFactory
-from workers.liveness import disconnect_silent_workers
 from workers.models import IdleSlot, Worker
 
 

@@ -52,7 +52,7 @@ async def test_a_second_connection_with_one_token_replaces_the_first(worker_sess
 async def test_a_revoked_workers_live_socket_closes(worker_session):
     from channels.layers import get_channel_layer
 
-    from workers.groups import worker_group
+    from gradient.wire.groups import worker_group
 
     worker, session = await worker_session()
     await session.connect()

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 
 Scorer = Callable[[str, p.OfferedJob], tuple[int, int]]
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 
 HOLD_TIMED_OUT = "cluster start timed out"
 

@@ -14,7 +14,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from workers import protocol as p
+from gradient.wire import protocol as p
 from workers.simulator.config import WorkerConfig
 from workers.simulator.jobs import Job, Jobs
 from workers.simulator.store import missing_cost

@@ -4,7 +4,7 @@ from django.utils import timezone
 
 from gradient.jobs.management.json_command import JsonCommand, Once, checked_name
 from gradient.jobs.models import Project
-from workers.groups import close_revoked_on_commit
+from gradient.wire.groups import close_revoked_on_commit
 from workers.models import Worker, hash_token
 
 

@@ -20,6 +20,8 @@ from pydantic import (
     field_validator,
 )
 
+from gradient.wire.keys import JOB_KEY_PATTERN, UUID_PATTERN
+
 MAX_FRAME_BYTES = 1024 * 1024
 MAX_SIGNAL_PAYLOAD_BYTES = 64 * 1024
 PROTOCOL_VERSION = 1
@@ -45,10 +47,9 @@ NO_NUL = r"^[^\x00]*$"
 Label = Annotated[StrictStr, StringConstraints(max_length=64, pattern=NO_NUL)]
 Zone = Annotated[StrictStr, StringConstraints(max_length=200, pattern=NO_NUL)]
 Endpoint = Annotated[StrictStr, StringConstraints(max_length=500, pattern=NO_NUL)]
-UUID_RE = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 # eval:<evaluation uuid> or build:<shared build uuid>
-JobKey = Annotated[StrictStr, StringConstraints(pattern=rf"^(eval|build):{UUID_RE}$")]
-Uuid = Annotated[StrictStr, StringConstraints(pattern=rf"^{UUID_RE}$")]
+JobKey = Annotated[StrictStr, StringConstraints(pattern=JOB_KEY_PATTERN)]
+Uuid = Annotated[StrictStr, StringConstraints(pattern=rf"^{UUID_PATTERN}$")]
 
 
 class Message(BaseModel):

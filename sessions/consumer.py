@@ -6,28 +6,20 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 from autobahn.exception import Disconnected
 from channels.consumer import get_handler_name
-from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from clusters import coordinator, tracking
-from clusters.dispatch import wake_dispatch
+from clusters import coordinator
+from clusters.wake import wake_dispatch
 from gradient import metrics
 from gradient.errors import NotAllowed
-from gradient.jobs.models import JobKind
 from gradient.logs import ids
-from workers import assignment, connection, offers, reports
-from workers.frame_queue import FrameQueue
-from workers.groups import worker_group
-from workers.models import Worker
-from workers.protocol import (
+from gradient.wire.groups import worker_group
+from gradient.wire.protocol import (
     MAX_FRAME_BYTES,
     AssignJobResponse,
     ClusterSignal,
@@ -43,6 +35,14 @@ from workers.protocol import (
     WorkerCapabilities,
     parse_inbound,
 )
+from sessions import connection, reports
+from sessions.connection import bearer_token
+from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
+from sessions.rate_limit import TokenBucket
+from sessions.request_job import answer_request, read_head
+from sessions.starts import STARTS_FIRST_SECS, Starts, session_starts
+from sessions.threads import db, handshake_db, report_db
+from workers import offers
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,9 @@ log = logging.getLogger(__name__)
 # closes with 1009 itself (with a close frame: gradient/asgi.py). This check is for any other
 # server, or a daphne started with a larger limit.
 CLOSE_TOO_BIG = 1009
-# A frame's handling failed: the session ends and the worker reconnects. Not 1011: autobahn
-# lets a server's application send only 1000 or 3000-4999, and refused 1011 by raising, so
-# the session stayed open with its failed lane dropping every later frame (a member's
-# JobCompleted among them: its attempt was never decided). 4500, as HTTP's 500.
+# A frame's handling failed: the session ends (its lane would drop every later frame) and the
+# worker reconnects. 4500, as HTTP's 500: autobahn lets an application send only 1000 or
+# 3000-4999, not 1011.
 CLOSE_ERROR = 4500
 CLOSE_REVOKED = 4403
 CLOSE_SILENT = 4408
@@ -61,170 +60,11 @@ CLOSE_REPLACED = 4409
 TOUCH_EVERY_SECS = 5.0
 
 
-def bearer_token(headers) -> str:
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                return token.strip()
-    return ""
-
-
-class TokenBucket:
-    """Per-connection rate limit: a flood of frames gets Errors instead of work."""
-
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
-# The frames' threads. A service mostly waits on PostgreSQL with the GIL released, so a few
-# threads keep daphne's CPU busy; more than a few take the GIL from the event loop itself,
-# whose WebSocket handshakes and Redis operations then stall: with 16, a reconnect storm of
-# 1,000 workers ran out of Redis pool connections and handshakes timed out (403); with 4,
-# every worker had its InitAck (docs/benchmarks.md). Each thread keeps its database connection.
-FRAME_THREADS = settings.FRAME_THREADS
-_frames = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="frames")
-
-
-def db(fn):
-    # Not thread-sensitive: sessions' services run side by side on the executor's threads
-    # instead of queueing behind each other on one.
-    return database_sync_to_async(fn, thread_sensitive=False, executor=_frames)
-
-
-# The start path's own threads: acceptances, reports, signals. They move held members to their
-# start and free slots, and each is one short statement or transaction; queued behind the
-# offers and RequestJobs of a busy fleet (hundreds of milliseconds of database work each
-# under load), a 500-worker fleet's acceptances took 13 s at the median, its slots were held
-# instead of running, and some prepares outlasted their timeout (docs/benchmarks.md).
-REPORT_THREADS = 2
-_reports = ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="reports")
-
-
-def report_db(fn):
-    return database_sync_to_async(fn, thread_sensitive=False, executor=_reports)
-
-
 # Frames whose work is the bulk of a session's: offers, scores and requests for work. They wait
 # in a queue of the session's own, handled in order by a task of its own, so that the frames
 # after them (an AssignJobResponse, a report) and the passes' frames to the worker (an
 # AssignJob, a StartCluster) never wait for them.
 BULK = (RequestJob, JobScores)
-
-
-# The session start's own threads (authenticate, attach, capabilities). daphne refuses a
-# WebSocket not accepted within 5 s (with a 403); in a connection storm (every worker
-# reconnecting after a restart) the sessions already open keep the frames' threads busy, and
-# a start queued behind them would time out, and its worker retry, adding to the storm. Each
-# thread keeps its database connection, like the frames' threads: closing it whenever no
-# start waited made every trickle of handshakes open new PostgreSQL connections (a backend
-# process each), the slowest part of a start.
-HANDSHAKE_THREADS = 4
-_handshakes = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="handshake")
-
-
-def handshake_db(fn):
-    return database_sync_to_async(fn, thread_sensitive=False, executor=_handshakes)
-
-
-# Session starts under way at once, per event loop. With every worker accepted at once, a
-# thousand group_adds would wait together for the channel layer's Redis connections (200) and
-# fail after its pool timeout; past this many, a start waits here instead, for as long as it
-# takes. Attach runs on the handshake threads anyway.
-SESSION_STARTS = 32
-# Starts first: while many sessions of this process are between their handshake and their
-# InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
-# up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
-# fewer handshakes outlast daphne's 5 s (a 403) or the worker's patience (a retry, more
-# load); the frames' work is the same, only later. A few starts at a time hold nothing back.
-STARTS_FIRST_SECS = 5.0
-STORM_STARTS = 8
-
-
-class Starts:
-    """The session starts of one event loop: the semaphore above, and how many are pending."""
-
-    def __init__(self):
-        self.gate = asyncio.Semaphore(SESSION_STARTS)
-        self.pending = 0
-        self.calm = asyncio.Event()
-        self.calm.set()
-
-    def begin(self):
-        self.pending += 1
-        if self.pending > STORM_STARTS:
-            self.calm.clear()
-
-    def end(self):
-        self.pending -= 1
-        if self.pending <= STORM_STARTS:
-            self.calm.set()
-
-    async def wait_for_calm(self):
-        if not self.calm.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.calm.wait(), STARTS_FIRST_SECS)
-
-
-_starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def session_starts() -> Starts:
-    loop = asyncio.get_running_loop()
-    if loop not in _starts:
-        _starts[loop] = Starts()
-    return _starts[loop]
-
-
-def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
-    """The worker's head of these kinds, with the JobOffer of what it was not offered on this
-    connection. A RequestJob reads its own kind's: what it scores is what the answer uses."""
-    parts = tracking.member_head_parts(worker, kinds)
-    return offers.offer_head(worker, offered, parts, kinds)
-
-
-def answer_request(worker_id: int, kind: str, worker=None, head=None, sizes=None):
-    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
-    and a cluster may now have its full placement, so the dispatch pass wakes."""
-    assign = assignment.request_job(worker_id, kind, worker, head, sizes)
-    if assign is None:
-        wake_dispatch()
-    return assign
-
-
-def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
-    """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
-    None), with no wait for the scores in between; a session waits for them."""
-    worker = worker or Worker.objects.get(pk=worker_id)
-    offered = offered if offered is not None else offers.Offered()
-    head = read_head(worker, offered, (kind,))
-    return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)
-
-
-class Touch(NamedTuple):
-    """A session's liveness check, queued with its bulk frames (not a protocol message)."""
-
-
-class OfferAll(NamedTuple):
-    """A session's first offer, queued with its bulk frames (not a protocol message)."""
-
-    worker: object  # the Worker row just written by record_capabilities
-
-
-class ScoresLate(NamedTuple):
-    """GRADIENT_SCORE_WAIT_MS passed since an offer that requests wait on (not a message)."""
-
-    offer: int  # which offer (Session.offers_made at the time)
 
 
 class WorkerConsumer(AsyncWebsocketConsumer):

@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from clusters.recovery import report_lost_members
 from gradient.logs import ids
-from workers.connection import abandon_single_assignments
-from workers.groups import send_to_worker_on_commit
+from gradient.wire.groups import send_to_worker_on_commit
+from sessions.connection import abandon_single_assignments
 from workers.models import Worker
 
 log = logging.getLogger(__name__)

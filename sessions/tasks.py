@@ -1,8 +1,8 @@
 from celery import shared_task
 
-from workers.liveness import disconnect_silent_workers
+from sessions.liveness import disconnect_silent_workers
 
 
-@shared_task(name="workers.liveness")
+@shared_task(name="sessions.liveness")
 def liveness() -> int:
     return len(disconnect_silent_workers())

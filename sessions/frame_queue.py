@@ -12,6 +12,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +78,22 @@ class FrameQueue:
         if self._task is not None:
             self._ready.set()  # an idle task wakes, sees it is closing, and ends
             await self._task
+
+
+# The frames a session queues for itself, with its bulk frames (not protocol messages).
+
+
+class Touch(NamedTuple):
+    """A session's liveness check, queued with its bulk frames (not a protocol message)."""
+
+
+class OfferAll(NamedTuple):
+    """A session's first offer, queued with its bulk frames (not a protocol message)."""
+
+    worker: object  # the Worker row just written by record_capabilities
+
+
+class ScoresLate(NamedTuple):
+    """GRADIENT_SCORE_WAIT_MS passed since an offer that requests wait on (not a message)."""
+
+    offer: int  # which offer (Session.offers_made at the time)

@@ -10,11 +10,20 @@ from django.utils import timezone
 from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from gradient.jobs.transitions import finish_assignments
+from gradient.wire.protocol import WorkerCapabilities
+from sessions.reports import release_single
 from workers.models import IdleSlot, JobScore, Worker, hash_token
-from workers.protocol import WorkerCapabilities
-from workers.reports import release_single
 
 TOUCH_EVERY = timedelta(seconds=5)
+
+
+def bearer_token(headers) -> str:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return ""
 
 
 def authenticate(token: str) -> tuple[int, str] | None:

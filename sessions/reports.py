@@ -26,8 +26,8 @@ from gradient.jobs.models import (
     EvaluationStatus,
     JobKind,
 )
+from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.transitions import advance_build, advance_evaluation, finish_assignments
-from workers.head import FETCH_STEPS
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:

@@ -1,0 +1,87 @@
+"""Waking the dispatch pass between its periodic runs: coalesced in Redis, so a burst of
+unanswered RequestJobs queues one pass. The pass is queued by its task's name, which is all
+the callers (sessions, submission) need of clusters.tasks."""
+
+import logging
+
+import redis
+from django.conf import settings
+from django.db import DatabaseError, connection
+from django.utils import timezone
+
+from clusters.models import ClusterStatus
+from gradient.celery import app
+
+log = logging.getLogger(__name__)
+
+DISPATCH_TASK = "clusters.dispatch"
+WAKE_KEY = "gradient:dispatch:queued"
+_redis = None
+
+
+def _client():
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1)
+    return _redis
+
+
+# A wake-up can place something only while a cluster waits for seats (Queued, no open attempt)
+# or a reservation waits for its seats to be idle. Otherwise idle workers asking for work would
+# keep a pass running back to back, and the one wake-up that completes a placement would
+# queue behind it.
+WAITING_SQL = f"""
+SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEUED}'
+               AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                               WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL))
+    OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)
+"""
+
+
+def clusters_waiting() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(WAITING_SQL)
+            return cursor.fetchone()[0]
+    except DatabaseError:
+        return True  # not known: a needless pass costs less than a missed one
+
+
+def wake_dispatch() -> bool:
+    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
+    for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
+    up for."""
+    if not clusters_waiting():
+        return False
+    try:
+        if not _client().set(WAKE_KEY, 1, nx=True, ex=10):
+            return False
+        app.send_task(DISPATCH_TASK, kwargs={"woken": True})
+    except Exception:
+        log.warning("could not wake the dispatch pass", exc_info=True)
+        return False
+    return True
+
+
+DUE_KEY = "gradient:dispatch:due"
+
+
+def run_at(when) -> None:
+    """Queue a pass for `when` (the clusters held for their scores are placed by then,
+    answered or not), unless one is queued for about then already: every pass that holds a
+    cluster asks for one, and a queue of them would run back to back, each waiting for the
+    lock. Best effort: the periodic pass makes up for a lost one."""
+    try:
+        delay = max(0.0, (when - timezone.now()).total_seconds())
+        if _client().set(DUE_KEY, 1, nx=True, px=max(1, int(delay * 1000))):
+            app.send_task(DISPATCH_TASK, kwargs={"woken": True}, countdown=delay)
+    except Exception:
+        log.warning("could not queue the dispatch pass", exc_info=True)
+
+
+def clear_wake() -> None:
+    """Called as a woken pass starts: a wake-up from now on queues another pass."""
+    try:
+        _client().delete(WAKE_KEY)
+    except Exception:
+        log.warning("could not clear the dispatch wake-up", exc_info=True)

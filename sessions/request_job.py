@@ -1,0 +1,33 @@
+"""Answering a RequestJob: the worker's head of the queue read (and offered), then the cheapest
+job of it assigned, or an idle slot recorded and the dispatch pass woken."""
+
+from clusters import tracking
+from clusters.wake import wake_dispatch
+from gradient.jobs.models import JobKind
+from workers import assignment, offers
+from workers.models import Worker
+
+
+def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
+    """The worker's head of these kinds, with the JobOffer of what it was not offered on this
+    connection. A RequestJob reads its own kind's: what it scores is what the answer uses."""
+    parts = tracking.member_head_parts(worker, kinds)
+    return offers.offer_head(worker, offered, parts, kinds)
+
+
+def answer_request(worker_id: int, kind: str, worker=None, head=None, sizes=None):
+    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
+    and a cluster may now have its full placement, so the dispatch pass wakes."""
+    assign = assignment.request_job(worker_id, kind, worker, head, sizes)
+    if assign is None:
+        wake_dispatch()
+    return assign
+
+
+def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
+    """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
+    None), with no wait for the scores in between; a session waits for them."""
+    worker = worker or Worker.objects.get(pk=worker_id)
+    offered = offered if offered is not None else offers.Offered()
+    head = read_head(worker, offered, (kind,))
+    return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)

@@ -1,0 +1,54 @@
+"""Session starts of one event loop: how many run at once, and the other sessions' frames held
+back while many are pending (a reconnect storm)."""
+
+import asyncio
+import contextlib
+import weakref
+
+# Session starts under way at once, per event loop. With every worker accepted at once, a
+# thousand group_adds would wait together for the channel layer's Redis connections (200) and
+# fail after its pool timeout; past this many, a start waits here instead, for as long as it
+# takes. Attach runs on the handshake threads anyway.
+SESSION_STARTS = 32
+# Starts first: while many sessions of this process are between their handshake and their
+# InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
+# up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
+# fewer handshakes outlast daphne's 5 s (a 403) or the worker's patience (a retry, more
+# load); the frames' work is the same, only later. A few starts at a time hold nothing back.
+STARTS_FIRST_SECS = 5.0
+STORM_STARTS = 8
+
+
+class Starts:
+    """The session starts of one event loop: the semaphore above, and how many are pending."""
+
+    def __init__(self):
+        self.gate = asyncio.Semaphore(SESSION_STARTS)
+        self.pending = 0
+        self.calm = asyncio.Event()
+        self.calm.set()
+
+    def begin(self):
+        self.pending += 1
+        if self.pending > STORM_STARTS:
+            self.calm.clear()
+
+    def end(self):
+        self.pending -= 1
+        if self.pending <= STORM_STARTS:
+            self.calm.set()
+
+    async def wait_for_calm(self):
+        if not self.calm.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.calm.wait(), STARTS_FIRST_SECS)
+
+
+_starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def session_starts() -> Starts:
+    loop = asyncio.get_running_loop()
+    if loop not in _starts:
+        _starts[loop] = Starts()
+    return _starts[loop]
