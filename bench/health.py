@@ -100,7 +100,7 @@ async def serve(url: str, members, args) -> float:
         await running
 
 
-def figures(seconds: float) -> dict:
+def tally(seconds: float) -> dict:
     from django.db.models import Count, Sum
 
     from clusters.models import ClusterAttempt, ClusterJob
@@ -145,7 +145,7 @@ def run_mode(after: int, args) -> dict:
     finally:
         procs.stop()
         common.flush_redis(env["REDIS_URL"])
-    result = figures(seconds)
+    result = tally(seconds)
     crashed, _ = common.log_problems(procs)
     result["crashes"] = crashed
     print(f"quarantine after {after}: {result}; logs in {logs}", flush=True)
@@ -183,27 +183,57 @@ def rows(results: dict) -> list[list]:
     return out
 
 
+LEAD = (
+    "Quarantine at the gang level: the same flaky fleet and clusters with quarantine on and off,"
+    " in one run (see `bench/health.py`)."
+)
+
+
+def method(args) -> list[str]:
+    return [
+        f"Fleet: {args.workers} reference workers, {args.flaky} of them flaky, spread as"
+        " `simulate_workers --flaky-rate` spreads them: every other one refuses every member,"
+        " the others drop their connection at each StartCluster and so lose their members.",
+        f"Work: {args.clusters} clusters of {args.size} builds, retry budget {args.retry_budget},"
+        " all submitted at once. Every store holds every path, so no seat is cheaper than"
+        " another and a flaky worker is seated as often as any.",
+        "Stack: per mode an emptied database with its own daphne, Celery worker and beat;"
+        " prepare timeout 5 s, retry backoff 1 s, a dispatch pass every second.",
+        "Modes: quarantine on (GRADIENT_QUARANTINE_AFTER=3) and off (=0).",
+        "Attempts per cluster count every try, failed prepares included (a refusal fails a"
+        " prepare, which spends no retry); started ones only those that ran (a lost member"
+        " fails a started attempt, which spends one).",
+        "Target: with quarantine on, fewer attempts per cluster and no more clusters Failed"
+        " than with it off.",
+    ]
+
+
+def figures(results: dict) -> list[common.Figure]:
+    on, off = results["on"], results["off"]
+    return [
+        common.Figure(
+            "worker health: attempts per cluster, quarantine on against off",
+            "fewer with it on",
+            f"{on['attempts']:.2f} on, {off['attempts']:.2f} off",
+            on["attempts"] < off["attempts"],
+        ),
+        common.Figure(
+            "worker health: clusters Failed, quarantine on against off",
+            "no more with it on",
+            f"{on['failed']} on, {off['failed']} off",
+            on["failed"] <= off["failed"] and not on["unfinished"],
+        ),
+    ]
+
+
 def section(command: str, args, results: dict) -> str:
-    return (
-        f"{SECTION}\n\n"
-        f"A fleet of {args.workers} reference workers, {args.flaky} of them flaky (spread over"
-        " the fleet as `simulate_workers --flaky-rate` spreads them: every other one refuses"
-        " every member, the others drop their connection at each StartCluster and so lose their"
-        f" members), runs {args.clusters} clusters of {args.size} builds with retry budget"
-        f" {args.retry_budget}, all submitted at once, with quarantine on"
-        " (GRADIENT_QUARANTINE_AFTER=3) and off (=0), in one run; each mode on an emptied"
-        " database with its own daphne, Celery worker and beat (prepare timeout 5 s, retry"
-        " backoff 1 s, dispatch pass every second). Every store holds every path, so no seat is"
-        " cheaper than another and a flaky worker is seated as often as any. A refusal fails a"
-        " prepare, which spends no retry; a lost member fails a started attempt, which does."
-        " Attempts per cluster count every try, failed prepares included; started ones only"
-        " those that ran.\n\n"
-        f"- Command: `{command}`\n- Date: {common.now_line()}\n"
-        f"- Machine: {common.machine()}, shared with other work (load average"
-        f" {results['load']})\n\n"
-        + common.table(HEADER, rows({m: results[m] for m in MODES}))
-        + "\n"
-    )
+    crashes = sum(len(results[m]["crashes"]) for m in MODES)
+    facts = [
+        f"Crash lines in daphne's and Celery's logs: {crashes}.",
+        *common.run_facts(command, results["load"]),
+    ]
+    body = common.table(HEADER, rows({m: results[m] for m in MODES}))
+    return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 
 def main() -> None:
@@ -233,6 +263,8 @@ def main() -> None:
         SECTION,
         lambda: section(command, args, results),
         crashed,
+        bench="health",
+        figures=figures(results),
     )
 
 

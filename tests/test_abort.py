@@ -9,6 +9,7 @@ from clusters.dispatch import run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterStatus
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
+from sessions.reports import job_failed
 from tests.aborting import (
     drain,
     preparing_cluster,
@@ -20,7 +21,6 @@ from tests.aborting import (
     worker_of,
 )
 from tests.clusterflow import Inbox, idle_workers
-from sessions.reports import job_failed
 
 pytestmark = pytest.mark.usefixtures("memory_layer")
 

@@ -10,11 +10,11 @@ from django.utils import timezone
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob
 from gradient.jobs.models import DispatchedJob
+from gradient.wire.protocol import Score
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory
 from workers import offers
 from workers.models import IdleSlot, JobScore, Worker
-from gradient.wire.protocol import Score
 
 pytestmark = pytest.mark.django_db
 

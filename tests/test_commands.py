@@ -19,9 +19,9 @@ from gradient.jobs.models import (
     EvaluationStatus,
     Project,
 )
+from gradient.wire.groups import worker_group
 from tests.commands import manage, run
 from tests.factories import ProjectFactory, WorkerFactory
-from gradient.wire.groups import worker_group
 from workers.models import Worker, hash_token
 
 ROOT = Path(__file__).resolve().parent.parent

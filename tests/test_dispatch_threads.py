@@ -13,9 +13,9 @@ from clusters.models import ClusterAttempt
 from clusters.scores import SCORE_CHUNK, CheapestScores
 from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
+from gradient.wire.groups import drain_sends
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
-from gradient.wire.groups import drain_sends
 from workers.models import JobScore
 
 pytestmark = pytest.mark.django_db(transaction=True)

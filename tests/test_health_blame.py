@@ -11,9 +11,9 @@ from clusters.claim import claim_cluster
 from clusters.models import ClusterAttempt
 from clusters.settlement import member_report
 from gradient.jobs.models import DispatchedJob
+from sessions.connection import detach
 from tests.clusterflow import claim_for, make_cluster
 from tests.factories import WorkerFactory
-from sessions.connection import detach
 from workers.models import Worker
 
 

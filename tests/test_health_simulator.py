@@ -6,8 +6,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from tests.fake_server import BUILDER, FakeServer, assign, hold, ready, roster
 from gradient.wire import protocol as p
+from tests.fake_server import BUILDER, FakeServer, assign, hold, ready, roster
 from workers.management.commands.simulate_workers import FLAKY_WAYS, flaky_workers
 
 

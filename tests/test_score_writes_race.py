@@ -8,11 +8,11 @@ from django.utils import timezone
 
 from clusters.asking import OFFER_SQL
 from gradient.postgresql.arrays import int_array, text_array
+from gradient.wire.protocol import Score
 from tests.concurrency import race
 from tests.factories import WorkerFactory
 from workers import offers
 from workers.models import JobScore
-from gradient.wire.protocol import Score
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

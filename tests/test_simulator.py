@@ -10,6 +10,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from gradient.wire import protocol as p
 from tests.fake_server import (
     ASSIGNMENT,
     BUILDER,
@@ -21,7 +22,6 @@ from tests.fake_server import (
     hold,
     running,
 )
-from gradient.wire import protocol as p
 from workers.simulator import (
     Fleet,
     SimulatedWorker,

@@ -3,8 +3,8 @@ against a fake server on a real socket."""
 
 import pytest
 
-from tests.fake_server import ATT1, ATT2, SLOW, assign, build, fleet_of_one, hold, roster
 from gradient.wire import protocol as p
+from tests.fake_server import ATT1, ATT2, SLOW, assign, build, fleet_of_one, hold, roster
 from workers.simulator import (
     HOLD_TIMED_OUT,
     WorkerConfig,

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from gradient.wire import protocol as p
 from tests.fake_server import (
     BUILDER,
     TOKEN,
@@ -18,7 +19,6 @@ from tests.fake_server import (
     ready,
     running,
 )
-from gradient.wire import protocol as p
 from workers.simulator import (
     Fleet,
     SimulatedWorker,

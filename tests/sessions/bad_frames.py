@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from hypothesis import strategies as st
 
+from gradient.wire.protocol import INBOUND, OUTBOUND, Message, ProtocolError, parse_inbound
 from tests.sessions.schema_strategies import (
     INBOUND_NAMES,
     JSON_KINDS,
@@ -24,7 +25,6 @@ from tests.sessions.schema_strategies import (
     slots,
     valid_frames,
 )
-from gradient.wire.protocol import INBOUND, OUTBOUND, Message, ProtocolError, parse_inbound
 
 
 @dataclass

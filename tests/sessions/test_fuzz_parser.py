@@ -12,6 +12,7 @@ from hypothesis import event, given
 from hypothesis import settings as fuzz_settings
 from hypothesis import strategies as st
 
+from gradient.wire.protocol import INBOUND, OUTBOUND, ProtocolError, parse_inbound, parse_outbound
 from tests.sessions.bad_frames import (
     MUTATIONS,
     damaged_text,
@@ -29,7 +30,6 @@ from tests.sessions.schema_strategies import (
     objects,
     valid_frames,
 )
-from gradient.wire.protocol import INBOUND, OUTBOUND, ProtocolError, parse_inbound, parse_outbound
 
 PARSER = fuzz_settings(max_examples=250, deadline=None)
 

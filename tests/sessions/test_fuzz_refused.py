@@ -15,11 +15,11 @@ from django.apps import apps
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from gradient.wire.keys import JOB_KEY_PATTERN
+from gradient.wire.protocol import INBOUND
 from tests.sessions.bad_frames import damaged_text, encoded, mutated, rejected, shaped_frames
 from tests.sessions.fuzz_harness import SESSION, OnLoop, q, send_raw
 from tests.sessions.schema_strategies import objects, valid_frames
-from gradient.wire.keys import JOB_KEY_PATTERN
-from gradient.wire.protocol import INBOUND
 
 SNAPSHOT_APPS = ("jobs", "workers", "clusters")
 VOLATILE = {"last_seen_at"}  # liveness: any frame may refresh it

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gradient.wire.protocol import INBOUND, ProtocolError, WorkerCapabilities
 from tests.sessions.bad_frames import huge_ints, long_text, nul_text, odd_text, parse_or_error
 from tests.sessions.fuzz_harness import SESSION, OnLoop, q
 from tests.sessions.schema_strategies import set_at, slots, valid, valid_frames
-from gradient.wire.protocol import INBOUND, ProtocolError, WorkerCapabilities
 
 
 @st.composite

@@ -2,9 +2,9 @@
 WebSocket connections, many of them on one asyncio loop.
 
 Imports nothing of Django: tests and the e2e harness run it in-process, next to a live server
-or a fake one. Every frame is built and parsed with gradient.wire.protocol. By concept: config (what a
-worker can do), store (what it has and would fetch), worker (its connection), jobs (what it
-holds and runs), fleet (many at once).
+or a fake one. Every frame is built and parsed with gradient.wire.protocol. By concept: config
+(what a worker can do), store (what it has and would fetch), worker (its connection), jobs
+(what it holds and runs), fleet (many at once).
 """
 
 from workers.simulator.config import Scorer, WorkerConfig
