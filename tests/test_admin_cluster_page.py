@@ -8,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from clusters.admin import MAX_BARS
+from clusters.cluster_page import MAX_BARS
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from tests.admin_rows import seat, two_attempts

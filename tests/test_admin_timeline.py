@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clusters.admin import duration, timeline
+from clusters.cluster_page import duration, timeline
 from clusters.models import AttemptOutcome
 
 pytestmark = pytest.mark.django_db
