@@ -109,13 +109,13 @@ def quarantine_counted(counted, blame: str, now: datetime) -> list[int]:
     return due
 
 
-# A seat of the worker succeeded (its report finished its row Completed at %(finish_at)s, in an
-# earlier statement of the same transaction): its streak starts again, and any probation ends.
+# A seat of the worker succeeded (its report finished its row %(completed)s at %(finish_at)s, in
+# an earlier statement of the same transaction): its streak starts again, and any probation ends.
 COUNT_SUCCESS_SQL = """
 UPDATE worker SET blamed_in_row = 0
 WHERE id = %(worker)s AND blamed_in_row <> 0 AND EXISTS (
     SELECT 1 FROM dispatched_job d WHERE d.id = %(id)s AND d.worker_id = %(worker)s
-      AND d.outcome = 'Completed' AND d.finished_at = %(finish_at)s)
+      AND d.outcome = %(completed)s AND d.finished_at = %(finish_at)s)
 """
 
 
