@@ -175,6 +175,8 @@ class Asking:
                 cursor.execute(MARK_SQL, {"now": sent, "clusters": int_array(self.rounds)})
             self.rounds.clear()
             if self.due is not None:
+                # The pass for the held clusters comes as late as their offers left: earlier,
+                # it would find their seats' offers past the score wait and place them unanswered.
                 self.due += sent - self.now
 
     def _hold(self, offered_at: datetime) -> None:

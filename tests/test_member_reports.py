@@ -18,6 +18,7 @@ from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.jobs.transitions import advance_evaluation
 from sessions.connection import detach
 from sessions.liveness import disconnect_silent_workers
+from tests.aborting import report, statuses
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import frozen_connection, race
 from tests.factories import (
@@ -57,19 +58,6 @@ def start_attempt(cluster):
     for w in workers:
         inbox.frames(w)
     return rows, inbox, workers
-
-
-def report(row, outcome, kind=None):
-    return member_report(row.worker_id, row.job_id, row.pk, outcome, kind)
-
-
-def statuses(cluster):
-    cluster.refresh_from_db()
-    evaluation = cluster.members.get(role="server").evaluation
-    build = cluster.members.get(role="client").derivation_build
-    evaluation.refresh_from_db()
-    build.refresh_from_db()
-    return cluster.status, evaluation.status, build.status
 
 
 @pytest.mark.django_db
