@@ -7,8 +7,9 @@ its scores, not by ties. The offers are job_score rows without a score, as a ses
 each pair is offered once per connection whichever process offers it.
 
 - A pass asks for the clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in
-  the planner's order), each member of at most two windows of its idle seats; a new cluster
-  beyond the head waits for a later pass.
+  the planner's order), each member of at most two windows of its idle seats, chosen among a
+  bounded number of candidates: a new cluster beyond the head waits for a later pass, and
+  what one cluster costs does not grow with the idle fleet.
 - A cluster asked before is asked again only when its placement would seat a member on a
   worker that never scored it (the seats that scored it are taken, and the others came free
   since, past their own heads), in rounds: a round holds it the score
@@ -18,6 +19,7 @@ each pair is offered once per connection whichever process offers it.
 """
 
 import json
+import zlib
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 from itertools import zip_longest
@@ -46,22 +48,26 @@ WHERE s.job_id = ANY(%(keys)s::text[]) AND s.missing_nar_size IS NULL
   AND s.offered_at > %(since)s AND s.worker_id = ANY(%(idle)s::bigint[])
 """
 
-# The pairs not offered yet on the workers' connections, offered now.
+# Of the candidate seats of each member (a bounded list, in the order they are to be asked),
+# the first `per_member` that were never offered that member on their connections, offered
+# now: one statement per cluster, whatever the size of the idle fleet.
 OFFER_SQL = """
-WITH fresh AS (
+WITH unasked AS (
+    SELECT p.worker_id, p.job_id,
+           row_number() OVER (PARTITION BY p.job_id ORDER BY p.turn) AS n
+    FROM unnest(%(workers)s::bigint[], %(keys)s::text[], %(turns)s::int[])
+         AS p(worker_id, job_id, turn)
+    WHERE NOT EXISTS (SELECT 1 FROM job_score s
+                      WHERE s.worker_id = p.worker_id AND s.job_id = p.job_id)
+), fresh AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT p.worker_id, p.job_id, %(now)s
-    FROM unnest(%(workers)s::bigint[], %(keys)s::text[]) AS p(worker_id, job_id)
-    ORDER BY p.worker_id, p.job_id  -- the sessions' order (workers.offers): no deadlock
+    SELECT u.worker_id, u.job_id, %(now)s FROM unasked u
+    WHERE u.n <= %(per_member)s
+    ORDER BY u.worker_id, u.job_id  -- the sessions' order (workers.offers): no deadlock
     ON CONFLICT (worker_id, job_id) DO NOTHING
     RETURNING worker_id, job_id
 )
 SELECT worker_id, array_agg(job_id) FROM fresh GROUP BY worker_id
-"""
-
-ASKED_SQL = """
-SELECT worker_id, job_id FROM job_score
-WHERE job_id = ANY(%(keys)s::text[]) AND worker_id = ANY(%(workers)s::bigint[])
 """
 
 MARK_SQL = """
@@ -79,7 +85,7 @@ class Asking:
         self.now = now
         self.book = {c.id: c for c in clusters}
         self.workers = workers
-        self.alike = alike(workers)
+        self.seating = Seating(workers)
         self.left = Counter({kind: window() for kind in planner.KINDS})
         self.due: datetime | None = None
         self.began = {c.id: c.offered_at for c in clusters}  # each one's round of asking
@@ -99,7 +105,7 @@ class Asking:
             if self.began[cluster.id] is None:
                 if not self._fits(cluster):
                     break
-                if self._ask(cluster):
+                if self._ask(cluster, None):
                     self._count(cluster)
         self._send()  # before planning: the seats score while the pass plans
 
@@ -115,7 +121,9 @@ class Asking:
         if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
             return True  # asked before and every seat chosen has its score: no blind seat
         may_ask = open_round or began is None or self.now - began >= 2 * score_wait()
-        asked = cluster.id in self.asked or (may_ask and self._fits(cluster) and self._ask(cluster))
+        asked = cluster.id in self.asked or (
+            may_ask and self._fits(cluster) and self._ask(cluster, placement)
+        )
         began = self.began[cluster.id]
         pending = any(m.key in self.unanswered for m in cluster.members)
         if began is not None and self.now - began < score_wait() and (asked or pending):
@@ -124,10 +132,10 @@ class Asking:
             return False
         return True
 
-    def _ask(self, cluster: StartableCluster) -> bool:
+    def _ask(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
         """Offer the cluster to its idle seats that never scored it, and begin a round of
         asking unless one is open; whether any seat was asked."""
-        if not self._offer(cluster):
+        if not self._offer(cluster, placement):
             return False
         self.asked.add(cluster.id)
         began = self.began[cluster.id]
@@ -200,82 +208,101 @@ class Asking:
             )
             return {key for (key,) in cursor.fetchall()}
 
-    def _asked_before(self, eligible: dict[str, list[planner.Worker]]) -> set[tuple[int, str]]:
-        """The (worker, job) pairs among these that the workers were offered already: the
-        window of seats asked is taken from the others, so that a large idle set is asked in
-        turn rather than the same workers every time."""
-        workers = {w.id for seats_of in eligible.values() for w in seats_of}
-        if not workers:
-            return set()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                ASKED_SQL,
-                {"keys": text_array(list(eligible)), "workers": int_array(sorted(workers))},
+    def _offer(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
+        """Offer each member to up to two windows of idle workers that could seat it and were
+        never offered it: first the placement's seats without a score, then its candidates
+        (Seating.candidates); whether any was offered."""
+        unscored = defaultdict(list)
+        for seat in placement.seats if placement is not None else ():
+            if seat.missing_nar_size is None:
+                unscored[seat.member.key].append(seat.worker)
+        workers, keys, turns = [], [], []
+        for member in cluster.members:
+            start = zlib.crc32(member.key.encode())
+            candidates = unscored[member.key] + self.seating.candidates(
+                member.planned(), start, CANDIDATES * window()
             )
-            return set(cursor.fetchall())
-
-    def _offer(self, cluster: StartableCluster) -> bool:
-        """Offer the cluster's members to the idle workers that could seat them and were not
-        offered them yet (a window of them per member); whether any was."""
-        eligible = {m.key: seats(m.planned(), self.alike) for m in cluster.members}
-        done = self._asked_before(eligible)
-        pairs = [
-            (worker.id, key)
-            for key, workers in eligible.items()
-            for worker in asked([w for w in workers if (w.id, key) not in done], cluster.id)
-        ]
-        if not pairs:
+            for turn, worker in enumerate(dict.fromkeys(candidates)):
+                workers.append(worker.id)
+                keys.append(member.key)
+                turns.append(turn)
+        if not workers:
             return False
         with connection.cursor() as cursor:
             cursor.execute(
                 OFFER_SQL,
                 {
                     "now": self.now,
-                    "workers": int_array(w for w, _ in pairs),
-                    "keys": text_array([k for _, k in pairs]),
+                    "workers": int_array(workers),
+                    "keys": text_array(keys),
+                    "turns": int_array(turns),
+                    "per_member": 2 * window(),
                 },
             )
             fresh = cursor.fetchall()
         if not fresh:
             return False
         items = {m.key: _offered_json(m) for m in cluster.members}
-        for worker_id, keys in fresh:
-            self.items[worker_id] += [items[k] for k in keys]
+        for worker_id, offered in fresh:
+            self.items[worker_id] += [items[k] for k in offered]
         return True
 
 
-def alike(workers: tuple[planner.Worker, ...]) -> list[list[planner.Worker]]:
-    """The workers grouped by all the planner's eligibility looks at but the name, so that it
-    is asked once per group rather than per worker."""
-    groups = defaultdict(list)
-    for worker in workers:
-        groups[_profile(worker)].append(worker)
-    return list(groups.values())
+# Candidates read per member, in windows: two windows are asked, of the first of these that
+# were never offered the member, so that a large idle set is asked in turn.
+CANDIDATES = 4
 
 
-def seats(member: planner.Member, groups: list[list[planner.Worker]]) -> list[planner.Worker]:
-    """The workers that could seat the member, by the planner's own eligibility."""
-    out = []
-    for group in groups:
+class Seating:
+    """The pass's idle workers grouped by all the planner's eligibility looks at but the name,
+    each group by zone: a member's seats are found per group, not per worker, and read from
+    a place of the member's own, so that the clusters of a pass are not all asked of the same
+    few workers. What one member costs is bounded by the groups and the window, not by the
+    size of the idle fleet."""
+
+    def __init__(self, workers: tuple[planner.Worker, ...]):
+        groups: dict[tuple, dict[str | None, list[planner.Worker]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        for worker in workers:
+            groups[_profile(worker)][worker.zone].append(worker)
+        self.groups = [(next(iter(zones.values()))[0], zones) for zones in groups.values()]
+        self.by_name = {w.name: w for w in workers}
+
+    def candidates(self, member: planner.Member, start: int, limit: int) -> list[planner.Worker]:
+        """Up to `limit` workers that could seat the member, by the planner's own eligibility,
+        taken in turn from each zone (a same_zone cluster has seats to choose among in every
+        zone), each zone's read cyclically from `start`."""
         if member.pin is not None:
-            group = [w for w in group if w.name == member.pin]
-        if group and planner.seat_reason(member, group[0]) is None:
-            out += group
+            pinned = self.by_name.get(member.pin)
+            ok = pinned is not None and planner.seat_reason(member, pinned) is None
+            return [pinned] if ok else []
+        zones: dict[str | None, list[list[planner.Worker]]] = defaultdict(list)
+        for sample, by_zone in self.groups:
+            if planner.seat_reason(member, sample) is None:
+                for zone, workers in by_zone.items():
+                    zones[zone].append(workers)
+        turns = zip_longest(*(_rotated(lists, start, limit) for lists in zones.values()))
+        return [w for turn in turns for w in turn if w is not None][:limit]
+
+
+def _rotated(lists: list[list], start: int, limit: int) -> list:
+    """Up to `limit` items of the lists joined, read cyclically from item `start` (modulo
+    their number), without joining them."""
+    total = sum(map(len, lists))
+    if not total:
+        return []
+    start %= total
+    i = 0
+    while start >= len(lists[i]):
+        start -= len(lists[i])
+        i += 1
+    out: list = []
+    want = min(limit, total)
+    while len(out) < want:
+        out += lists[i][start : start + want - len(out)]
+        start, i = 0, (i + 1) % len(lists)
     return out
-
-
-def asked(workers: list[planner.Worker], cluster_id: int) -> list[planner.Worker]:
-    """At most twice a window of a member's seats, taken in turn from each zone: what a start
-    costs stays bounded however large an idle fleet, and a same_zone cluster has scored seats
-    in every zone to choose among. Each cluster takes them in an order of its own, so that the
-    clusters of a pass are not all asked of the same few workers. (One window asked left a
-    fifth of a 200-worker deep queue's idle seats unscored: 1.14 x the bytes of full scoring,
-    against 1.00 with two; bench/placement.py.)"""
-    by_zone = defaultdict(list)
-    for worker in sorted(workers, key=lambda w: hash((cluster_id, w.id))):
-        by_zone[worker.zone].append(worker)
-    turns = zip_longest(*by_zone.values())
-    return [w for turn in turns for w in turn if w is not None][: 2 * window()]
 
 
 def _profile(worker: planner.Worker) -> tuple:

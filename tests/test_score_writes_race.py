@@ -28,6 +28,8 @@ def pass_asks(worker_ids, keys):
                 "now": timezone.now(),
                 "workers": int_array(w for w, _ in pairs),
                 "keys": text_array([k for _, k in pairs]),
+                "turns": int_array(range(len(pairs))),
+                "per_member": len(pairs),
             },
         )
         return cursor.fetchall()
