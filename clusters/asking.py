@@ -78,8 +78,9 @@ UPDATE cluster_job SET offered_at = %(now)s WHERE id = ANY(%(clusters)s::bigint[
 class Asking:
     """One pass's view of which placements wait for scores: `ready` tells, placement by
     placement in the planner's order, offering the new clusters of the head as it meets them.
-    The head holds the clusters that wait for answers, up to a window of members of a kind;
-    `due` is when the pass should run again for the clusters it held, None if it held none."""
+    The head holds the clusters that wait for answers and those asked in vain, up to a
+    window of members of a kind; `due` is when the pass should run again for the clusters it
+    held, None if it held none."""
 
     def __init__(self, clusters: list[StartableCluster], workers: tuple[planner.Worker, ...], now):
         self.now = now
@@ -90,6 +91,7 @@ class Asking:
         self.due: datetime | None = None
         self.began = {c.id: c.offered_at for c in clusters}  # each one's round of asking
         self.asked: set[int] = set()  # clusters asked this pass
+        self.tried: set[int] = set()  # clusters an offer statement ran for this pass
         self.counted: set[int] = set()  # clusters counted against the head
         self.rounds: list[int] = []  # clusters whose round of asking begins with this pass
         self.items: dict[int, list[str]] = defaultdict(list)  # worker -> its offer's jobs
@@ -105,8 +107,7 @@ class Asking:
             if self.began[cluster.id] is None:
                 if not self._fits(cluster):
                     break
-                if self._ask(cluster, None):
-                    self._count(cluster)
+                self._ask(cluster, None)
         self._send()  # before planning: the seats score while the pass plans
 
     def ready(self, placement: planner.Placement) -> bool:
@@ -226,8 +227,12 @@ class Asking:
                 workers.append(worker.id)
                 keys.append(member.key)
                 turns.append(turn)
-        if not workers:
+        if not workers or cluster.id in self.tried:
             return False
+        self.tried.add(cluster.id)
+        # Counted against the head whether or not a seat is found unasked: the statements of
+        # a pass stay bounded by the window, however many placements would use unscored seats.
+        self._count(cluster)
         with connection.cursor() as cursor:
             cursor.execute(
                 OFFER_SQL,

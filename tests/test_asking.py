@@ -198,3 +198,24 @@ def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
     answer(last, cluster, 20)  # as its RequestJob's offer of its head had it answered
     past_its_round(cluster)
     assert run_pass().claimed == [cluster.pk]
+
+
+def test_a_pass_runs_offer_statements_for_a_window_of_clusters_however_many_ask_in_vain(settings):
+    """Seats offered a cluster before and silent since are not asked again: a placement that
+    would use them asks in vain. Each such ask is a statement, so it counts against the head."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
+    workers = idle_workers(3, kinds=("build",))
+    clusters = [cluster_of_builds(1) for _ in range(8)]
+    long_ago = timezone.now() - timedelta(seconds=121)  # past a round and the next's start
+    for cluster in clusters:
+        for worker in workers:  # offered, never answered
+            JobScore.objects.create(worker=worker, job_id=keys(cluster)[0], offered_at=long_ago)
+    ClusterJob.objects.update(offered_at=long_ago)
+    with CaptureQueriesContext(connection) as queries:
+        result = run_pass()
+    offers = [q for q in queries.captured_queries if "WITH unasked AS" in q["sql"]]
+    assert len(offers) == 2  # the window: two build members
+    assert len(result.claimed) == 3  # every seat taken, by the clusters first in line
