@@ -89,6 +89,7 @@ class Asking:
         self.seating = Seating(workers)
         self.left = Counter({kind: window() for kind in planner.KINDS})
         self.due: datetime | None = None
+        self.held = 0  # placements held back this pass
         self.began = {c.id: c.offered_at for c in clusters}  # each one's round of asking
         self.asked: set[int] = set()  # clusters asked this pass
         self.tried: set[int] = set()  # clusters an offer statement ran for this pass
@@ -117,6 +118,7 @@ class Asking:
         began = self.began[cluster.id]
         if began is None and not self._fits(cluster):
             self._hold(self.now)  # asked by a later pass, once the head has room
+            self.held += 1
             return False
         open_round = began is not None and self.now - began < score_wait()
         if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
@@ -130,6 +132,7 @@ class Asking:
         if began is not None and self.now - began < score_wait() and (asked or pending):
             self._count(cluster)
             self._hold(began)
+            self.held += 1
             return False
         return True
 

@@ -56,6 +56,7 @@ class PassResult:
     placed: int = 0
     claimed: list = field(default_factory=list)
     waiting_for_scores: bool = False
+    held: int = 0  # placements held back for their seats' scores, or for room in the head
     seconds: float = 0.0
     skipped: bool = False
     reservation: str | None = None
@@ -351,6 +352,7 @@ def run_pass(wait: bool = False) -> PassResult:
                 asking.finish()
             result.placed = len(placed)
             result.claimed = [p.cluster_id for p in placed if p.cluster_id in claimed]
+            result.held = asking.held
             if asking.due is not None:
                 result.waiting_for_scores = True
                 wake.run_at(asking.due)

@@ -16,7 +16,16 @@ def dispatch(woken: bool = False) -> dict:
     if woken:
         clear_wake()
     result = run_pass(wait=woken)
-    return {"claimed": len(result.claimed), "seconds": round(result.seconds, 4)}
+    # What Celery logs of each pass: enough to tell a pass that had no seats from one that
+    # held its clusters for scores.
+    return {
+        "claimed": len(result.claimed),
+        "ready": result.ready,
+        "placed": result.placed,
+        "held": result.held,
+        "reservation": result.reservation,
+        "seconds": round(result.seconds, 4),
+    }
 
 
 @shared_task(name="clusters.recover", ignore_result=True)
