@@ -372,7 +372,7 @@ def pass_method(repeat: int) -> list[str]:
         " (every claim undone, every idle slot fresh).",
         "Pieces, from wrappers around what `run_pass` calls: `startable_clusters` (the book);"
         " `snapshot` (the idle workers); `plan` (producing the placements, waits for scores"
-        " included); `claims` (the two claimer threads' time, summed, overlapping the plan);"
+        " included); `claims` (the three claimer threads' time, summed, overlapping the plan);"
         " `wait` (from the last placement to the last claim); other (the advisory lock,"
         " `expire_overdue_prepares`, the reservation pass). The pass is the sum of all but"
         " `claims`.",
@@ -380,7 +380,7 @@ def pass_method(repeat: int) -> list[str]:
         " `idx-job_score-job-size` alone (about half a million index entries at 1,000 x 5,000);"
         " nine clusters in ten are seated without the solver; each batch of 128 placements is"
         ' claimed in a handful of set-based statements (docs/design.md, "The dispatch pass on'
-        ' four threads").',
+        ' five threads").',
         "Target (issue #18): under 1 s at 1,000 x 5,000 and at 2,000 x 5,000.",
     ]
 

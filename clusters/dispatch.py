@@ -230,11 +230,13 @@ CLAIM_BATCH = 128
 # The batches are claimed on threads of their own, each with its own database connection,
 # while the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner
 # is Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
-# Two threads, so that one batch's statements run while the other's frames are built: with
-# one, the claims took longer than the plan and the pass waited for them. The batches of a
+# Three threads, so that batches' statements run while another's frames are built: with
+# one, the claims took longer than the plan and the pass waited for them; a third took about a
+# tenth off a pass at 1,000 x 5,000 against two, since each claim now also checks its members'
+# start before it writes (clusters.claim) and PostgreSQL's share grew. The batches of a
 # pass are disjoint (a cluster, a job and a seat at most once), so they cannot deadlock or
 # decide against each other; they start in the planner's order, prioritized clusters first.
-_claimer = ThreadPoolExecutor(2, thread_name_prefix="claims")
+_claimer = ThreadPoolExecutor(3, thread_name_prefix="claims")
 
 
 def claim_placements(placements: tuple[planner.Placement, ...], rows: dict, since) -> set[int]:
@@ -262,7 +264,7 @@ def _claim_on_thread(placements, rows: dict, since) -> set[int]:
 
 
 def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
-    """Claim the placements in batches as the planner yields them (two at a time); every
+    """Claim the placements in batches as the planner yields them (three at a time); every
     placement, and the clusters claimed. Inside a transaction of the caller's (tests), whose
     rows no other connection sees, the batches are claimed on the caller's connection
     instead."""
