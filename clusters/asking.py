@@ -85,7 +85,6 @@ class Asking:
     def __init__(self, clusters: list[StartableCluster], workers: tuple[planner.Worker, ...], now):
         self.now = now
         self.book = {c.id: c for c in clusters}
-        self.workers = workers
         self.seating = Seating(workers)
         self.left = Counter({kind: window() for kind in planner.KINDS})
         self.due: datetime | None = None
@@ -215,7 +214,9 @@ class Asking:
     def _offer(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
         """Offer each member to up to two windows of idle workers that could seat it and were
         never offered it: first the placement's seats without a score, then its candidates
-        (Seating.candidates); whether any was offered."""
+        (Seating.candidates); whether any was offered. One statement per cluster a pass."""
+        if cluster.id in self.tried:
+            return False
         unscored = defaultdict(list)
         for seat in placement.seats if placement is not None else ():
             if seat.missing_nar_size is None:
@@ -230,7 +231,7 @@ class Asking:
                 workers.append(worker.id)
                 keys.append(member.key)
                 turns.append(turn)
-        if not workers or cluster.id in self.tried:
+        if not workers:
             return False
         self.tried.add(cluster.id)
         # Counted against the head whether or not a seat is found unasked: the statements of

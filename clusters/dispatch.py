@@ -230,10 +230,9 @@ CLAIM_BATCH = 128
 # The batches are claimed on threads of their own, each with its own database connection,
 # while the planner seats the next clusters: a batch mostly waits for PostgreSQL, the planner
 # is Python, and on a machine of two cores one's wait is the other's time (docs/benchmarks.md).
-# Three threads, so that batches' statements run while another's frames are built: with
-# one, the claims took longer than the plan and the pass waited for them; a third took about a
-# tenth off a pass at 1,000 x 5,000 against two, since each claim now also checks its members'
-# start before it writes (clusters.claim) and PostgreSQL's share grew. The batches of a
+# Three threads, so that batches' statements run while another's frames are built: a batch
+# is mostly PostgreSQL (each claim checks its members' start before it writes, clusters.claim),
+# and with fewer the claims outlast the plan and the pass waits for them. The batches of a
 # pass are disjoint (a cluster, a job and a seat at most once), so they cannot deadlock or
 # decide against each other; they start in the planner's order, prioritized clusters first.
 _claimer = ThreadPoolExecutor(3, thread_name_prefix="claims")

@@ -67,8 +67,7 @@ async def test_a_cluster_never_seeing_enough_idle_workers_starts_through_a_reser
     # Its clock starts at the first pass that sees it, within an interval of the submission
     # (the test's submission wakes no pass of the stack's: its Celery app has another broker)
     # and that pass's latency; the first pass after RESERVE_AFTER on that clock reserves,
-    # within another interval and its own latency. Each pass has a latency of its own: both
-    # were once charged one, and a loaded machine's reservation came 5.99 s after submission.
+    # within another interval and its own latency.
     starting = (clock - submitted).total_seconds()
     assert 0 <= starting < INTERVAL + LATENCY, starting
     reserving = (reserved_at - clock).total_seconds()
