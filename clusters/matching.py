@@ -48,7 +48,10 @@ class Scores:
     while still reading them."""
 
     def __init__(self, snapshot: Snapshot, pool: Pool):
-        self._arrays = snapshot.score_arrays or {}
+        # Not `or {}`: a Mapping's truth is its length, and a CheapestScores still being read
+        # would have to read every key before the first cluster is seated.
+        arrays = snapshot.score_arrays
+        self._arrays = {} if arrays is None else arrays
         self._truncated = snapshot.truncated
         self._full: dict[str, ScoreArrays] = {}  # rows complete() read
         self._load = snapshot.load_scores

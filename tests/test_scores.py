@@ -76,3 +76,35 @@ def test_the_keys_asked_whole_come_in_full_the_others_cheapest_first_and_truncat
     assert pinned not in scores.truncated
     assert scores[other][0].tolist() == by_size[:CHEAPEST]
     assert other in scores.truncated
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_planner_seats_the_first_cluster_before_the_last_chunk_is_read():
+    from clusters import planner
+    from clusters.scores import all_scores
+    from tests import planning
+    from tests.factories import WorkerFactory, answered_scores
+
+    worker = WorkerFactory()
+    clusters = [
+        planning.cluster(planning.member(uuid.uuid4()), id=i)
+        for i in range(FIRST_CHUNK + 5 * SCORE_CHUNK)
+    ]
+    keys = [c.members[0].key for c in clusters]
+    answered_scores((worker, key, 7) for key in keys)
+    scores = CheapestScores(keys).start()
+    try:
+        snap = planner.Snapshot(
+            clusters=tuple(clusters),
+            workers=(planning.worker(worker.pk, name=worker.name),),
+            score_arrays=scores,
+            truncated=scores.truncated,
+            load_scores=all_scores,
+        )
+        first = next(planner.placements(snap))
+        assert (first.cluster_id, first.seats[0].missing_nar_size) == (0, 7)
+        time.sleep(0.3)
+        # Only the chunks read ahead of the first: the rest waits for the planner to ask.
+        assert not scores._read[-1].is_set()
+    finally:
+        scores.finish()
