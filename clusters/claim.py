@@ -129,7 +129,7 @@ DELETE FROM idle_slot s
 USING json_to_recordset(%(seats)s::json)
       AS t(worker bigint, kind text, cluster bigint, attempt uuid)
 WHERE s.worker_id = t.worker AND s.kind = t.kind
-  AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = t.attempt OFFSET 0)
+  AND t.attempt IN (SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[]))
 RETURNING t.cluster
 """
 

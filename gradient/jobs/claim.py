@@ -18,6 +18,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
+from gradient.postgresql.arrays import text_array
 from gradient.wire.keys import job_key
 
 
@@ -68,9 +69,11 @@ START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
      ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
                   AND e.status = ANY(%(eval_startable)s) OFFSET 0)
 END"""
-# A row's attempt was opened (always true for a single job's row), probed as above.
-ATTEMPT_OPENED = """(t.attempt_id IS NULL
-     OR EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = t.attempt_id OFFSET 0))"""
+# A row's attempt was opened (always true for a single job's row). One lookup of the rows'
+# own attempts, hashed, rather than a probe per row: a probe's plan follows the table's stats,
+# and an attempt table small when analyzed was scanned whole for every member.
+ATTEMPT_OPENED = """(t.attempt_id IS NULL OR t.attempt_id IN (
+     SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[])))"""
 
 # Rows go in job-key order, so overlapping claimers queue on the same key first. A member's
 # row goes in only under its attempt: a cluster claim whose attempt was not opened (it lost
@@ -128,7 +131,8 @@ def claim_params(assignments: list[Assignment]) -> dict:
                 "substitute": a.gate.substitute,
             }
         )
-    return {"claims": json.dumps(rows), **START_PARAMS}
+    attempts = text_array(sorted({r["attempt_id"] for r in rows if r["attempt_id"]}))
+    return {"claims": json.dumps(rows), "attempts": attempts, **START_PARAMS}
 
 
 def claim_assignment(assignment: Assignment, using=None) -> bool:
