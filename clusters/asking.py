@@ -8,8 +8,9 @@ each pair is offered once per connection whichever process offers it.
 
 - A pass asks for the clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in
   the planner's order), each member of at most two windows of its idle seats, chosen among a
-  bounded number of candidates: a new cluster beyond the head waits for a later pass, and
-  what one cluster costs does not grow with the idle fleet.
+  bounded number of candidates, in one statement: a new cluster beyond the head waits for a
+  later pass, which places it only once asked (so it takes no seat meanwhile), and what one
+  cluster costs does not grow with the idle fleet.
 - A cluster asked before is asked again only when its placement would seat a member on a
   worker that never scored it (the seats that scored it are taken, and the others came free
   since, past their own heads), in rounds: a round holds it the score
@@ -103,22 +104,30 @@ class Asking:
         to place them yet: their scores are in by the time the last seat comes free."""
         if not score_wait():
             return
-        for cluster in self.book.values():
-            if self.began[cluster.id] is None:
-                if not self._fits(cluster):
-                    break
-                self._ask(cluster, None)
+        new = [(c, None) for c in self.book.values() if self.began[c.id] is None]
+        for cluster in self._offer(new, while_room=True):
+            self._asked(cluster)
         self._send()  # before planning: the seats score while the pass plans
 
+    def admits(self, planned: planner.Cluster) -> bool:
+        """False for a cluster never asked while the head has no room for it: it is asked by a
+        later pass, and not placed by this one, so its seats go to the clusters after it. (Were
+        they kept, a deep queue's unasked clusters would hold most of the idle fleet while
+        nothing is placed on it.)"""
+        cluster = self.book[planned.id]
+        if not score_wait() or self.began[cluster.id] is not None or self._fits(cluster):
+            return True
+        self._hold(self.now)
+        self.held += 1
+        return False
+
     def ready(self, placement: planner.Placement) -> bool:
+        """Whether an admitted placement is claimed now; False holds it, and its seats, for
+        its seats' answers."""
         cluster = self.book[placement.cluster_id]
         if not score_wait():
             return True  # GRADIENT_SCORE_WAIT_MS=0: placed at once on the scores there are
         began = self.began[cluster.id]
-        if began is None and not self._fits(cluster):
-            self._hold(self.now)  # asked by a later pass, once the head has room
-            self.held += 1
-            return False
         open_round = began is not None and self.now - began < score_wait()
         if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
             return True  # asked before and every seat chosen has its score: no blind seat
@@ -138,14 +147,17 @@ class Asking:
     def _ask(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
         """Offer the cluster to its idle seats that never scored it, and begin a round of
         asking unless one is open; whether any seat was asked."""
-        if not self._offer(cluster, placement):
+        if not self._offer([(cluster, placement)]):
             return False
+        self._asked(cluster)
+        return True
+
+    def _asked(self, cluster: StartableCluster) -> None:
         self.asked.add(cluster.id)
         began = self.began[cluster.id]
         if began is None or self.now - began >= score_wait():
             self.began[cluster.id] = self.now  # held at most the score wait from here
             self.rounds.append(cluster.id)
-        return True
 
     def _fits(self, cluster: StartableCluster) -> bool:
         if cluster.id in self.counted:
@@ -211,32 +223,32 @@ class Asking:
             )
             return {key for (key,) in cursor.fetchall()}
 
-    def _offer(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
-        """Offer each member to up to two windows of idle workers that could seat it and were
-        never offered it: first the placement's seats without a score, then its candidates
-        (Seating.candidates); whether any was offered. One statement per cluster a pass."""
-        if cluster.id in self.tried:
-            return False
-        unscored = defaultdict(list)
-        for seat in placement.seats if placement is not None else ():
-            if seat.missing_nar_size is None:
-                unscored[seat.member.key].append(seat.worker)
+    def _offer(self, asks: list, while_room: bool = False) -> list:
+        """Offer each member of these clusters (with their placements, or None) to up to two
+        windows of idle workers that could seat it and were never offered it: first its
+        placement's seats without a score, then its candidates (Seating.candidates). One
+        statement for them all (their members never share a job), a cluster at most once a
+        pass; `while_room`, up to the first that the head has no room for. The clusters any
+        seat was offered."""
         workers, keys, turns = [], [], []
-        for member in cluster.members:
-            start = zlib.crc32(member.key.encode())
-            candidates = unscored[member.key] + self.seating.candidates(
-                member.planned(), start, CANDIDATES * window()
-            )
-            for turn, worker in enumerate(dict.fromkeys(candidates)):
-                workers.append(worker.id)
-                keys.append(member.key)
-                turns.append(turn)
+        cluster_of, chosen = {}, []
+        for cluster, placement in asks:
+            if while_room and not self._fits(cluster):
+                break
+            if cluster.id in self.tried:
+                continue
+            before = len(workers)
+            self._candidates(cluster, placement, workers, keys, turns)
+            if len(workers) == before:
+                continue
+            self.tried.add(cluster.id)
+            # Counted against the head whether or not a seat is found unasked: the statements
+            # of a pass stay bounded by the window, however many placements use unscored seats.
+            self._count(cluster)
+            chosen.append(cluster)
+            cluster_of.update((m.key, cluster) for m in cluster.members)
         if not workers:
-            return False
-        self.tried.add(cluster.id)
-        # Counted against the head whether or not a seat is found unasked: the statements of
-        # a pass stay bounded by the window, however many placements would use unscored seats.
-        self._count(cluster)
+            return []
         with connection.cursor() as cursor:
             cursor.execute(
                 OFFER_SQL,
@@ -249,12 +261,28 @@ class Asking:
                 },
             )
             fresh = cursor.fetchall()
-        if not fresh:
-            return False
-        items = {m.key: _offered_json(m) for m in cluster.members}
+        items = {m.key: _offered_json(m) for c in chosen for m in c.members}
+        asked = {}
         for worker_id, offered in fresh:
-            self.items[worker_id] += [items[k] for k in offered]
-        return True
+            self.items[worker_id] += [items[key] for key in offered]
+            asked.update((cluster_of[key].id, cluster_of[key]) for key in offered)
+        return list(asked.values())
+
+    def _candidates(self, cluster, placement, workers: list, keys: list, turns: list) -> None:
+        """Each member's candidate seats, in the order they are to be asked, appended."""
+        unscored = defaultdict(list)
+        for seat in placement.seats if placement is not None else ():
+            if seat.missing_nar_size is None:
+                unscored[seat.member.key].append(seat.worker)
+        for member in cluster.members:
+            start = zlib.crc32(member.key.encode())
+            candidates = unscored[member.key] + self.seating.candidates(
+                member.planned(), start, CANDIDATES * window()
+            )
+            for turn, worker in enumerate(dict.fromkeys(candidates)):
+                workers.append(worker.id)
+                keys.append(member.key)
+                turns.append(turn)
 
 
 # Candidates read per member, in windows: two windows are asked, of the first of these that

@@ -56,7 +56,7 @@ class PassResult:
     placed: int = 0
     claimed: list = field(default_factory=list)
     waiting_for_scores: bool = False
-    held: int = 0  # placements held back for their seats' scores, or for room in the head
+    held: int = 0  # clusters held back for their seats' scores, or for room in the head
     seconds: float = 0.0
     skipped: bool = False
     reservation: str | None = None
@@ -346,7 +346,7 @@ def run_pass(wait: bool = False) -> PassResult:
             asking = Asking(ready, seen.workers, now)
             asking.ask_new()
             try:
-                ready_to_claim = filter(asking.ready, planner.placements(seen))
+                ready_to_claim = filter(asking.ready, planner.placements(seen, asking.admits))
                 placed, claimed = _claim_all(ready_to_claim, rows, since)
             finally:
                 seen.score_arrays.finish()

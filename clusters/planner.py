@@ -125,12 +125,17 @@ def plan(snapshot: Snapshot) -> list[Placement]:
     return list(placements(snapshot))
 
 
-def placements(snapshot: Snapshot) -> Iterator[Placement]:
+def placements(
+    snapshot: Snapshot, admits: Callable[[Cluster], bool] | None = None
+) -> Iterator[Placement]:
     """plan(), one placement at a time, each final once yielded: the dispatch pass claims the
-    first while the planner seats the next."""
+    first while the planner seats the next. A cluster that `admits` refuses is not placed: it
+    takes no seat from the clusters after it, and costs no planning."""
     pool = Pool(snapshot.workers)
     scores = matching.Scores(snapshot, pool)
     for cluster in snapshot.clusters:
+        if admits is not None and not admits(cluster):
+            continue
         placement = _place(cluster, pool, scores)
         # A cluster without a full placement keeps waiting and takes nothing from the next.
         if placement is not None:

@@ -107,6 +107,23 @@ def test_new_clusters_beyond_the_head_are_offered_by_a_later_pass(settings):
     assert offered == set(keys(second))
 
 
+def test_a_new_cluster_beyond_the_head_leaves_its_seats_to_a_cluster_ready_behind_it(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
+    workers = idle_workers(4, kinds=("build",))
+    first, beyond = cluster_of_builds(2), cluster_of_builds(2)
+    # Asked long ago and answered by every seat: placed as soon as it has seats.
+    answered = cluster_of_builds(2, offered_at=timezone.now() - timedelta(minutes=5))
+    for worker in workers:
+        answer(worker, answered, 1)
+    result = run_pass()
+    # `first` fills the head and waits for its answers on two seats; `beyond` is asked by a
+    # later pass, and the two seats it would have had go to `answered`.
+    assert result.claimed == [answered.pk]
+    assert ClusterJob.objects.get(pk=beyond.pk).offered_at is None
+    assert ClusterJob.objects.get(pk=first.pk).offered_at is not None
+    assert len(seated(answered)) == 2
+
+
 def test_with_no_score_wait_a_new_cluster_is_placed_at_once_and_nobody_is_asked(settings):
     settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}
     workers = idle_workers(2, kinds=("build",))
@@ -198,6 +215,27 @@ def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
     answer(last, cluster, 20)  # as its RequestJob's offer of its head had it answered
     past_its_round(cluster)
     assert run_pass().claimed == [cluster.pk]
+
+
+def test_the_new_clusters_of_the_head_are_offered_in_one_statement(settings):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
+    workers = idle_workers(3, kinds=("build",))
+    inbox = Inbox(workers)
+    clusters = [cluster_of_builds(1) for _ in range(5)]
+    with CaptureQueriesContext(connection) as queries:
+        run_pass()
+    offers = [q for q in queries.captured_queries if "WITH unasked AS" in q["sql"]]
+    assert len(offers) == 1
+    # The window's four, each to every seat, none beyond it.
+    head = {k for c in clusters[:4] for k in keys(c)}
+    for worker in workers:
+        [offer] = inbox.frames(worker)
+        assert {j["job_id"] for j in offer["jobs"]} == head
+    asked = ClusterJob.objects.filter(offered_at__isnull=False).values_list("pk", flat=True)
+    assert sorted(asked) == sorted(c.pk for c in clusters[:4])
 
 
 def test_a_pass_runs_offer_statements_for_a_window_of_clusters_however_many_ask_in_vain(settings):
