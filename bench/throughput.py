@@ -504,6 +504,10 @@ def method(args) -> list[str]:
         "Where the time goes: everything shares the 2 cores, full at every size. Where the slot"
         " waits are seconds, the slots sit idle or held while the cores are busy, so the starts"
         " grow with the cores, not with the slots.",
+        "The asking's cadence: a pass asks at most a window of never-asked members per kind and"
+        " places a cluster only once asked, so a deep cluster queue starts about that many"
+        " members per kind per pass. At 1,000 workers a pass takes 1 to 2 s, and about 750 of the"
+        " fleet were idle in each pass's snapshot (a by-hand log of the passes, 2026-12-02).",
         f"Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
         f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
         f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
