@@ -51,3 +51,21 @@ def test_a_connection_idle_for_a_while_that_died_is_replaced_before_use(reused):
     conn.checked_at -= 1.5
     assert request(conn) != pid  # checked, found dead, reopened: the query went through
     assert checks == [1]
+
+
+def test_a_long_statement_is_converted_once_not_at_every_call(db):
+    from psycopg import _queries
+
+    from sessions.request_job import read_head
+    from tests.factories import WorkerFactory
+    from workers import offers
+
+    worker = WorkerFactory()
+    read_head(worker, offers.Offered(), ("build",))
+    before = _queries._query2pg.cache_info()
+    for _ in range(3):
+        read_head(worker, offers.Offered(), ("build",))
+    after = _queries._query2pg.cache_info()
+    # The head's statement is longer than psycopg's own limit of 4 KiB, and is found cached.
+    assert after.hits - before.hits >= 3
+    assert after.misses == before.misses
