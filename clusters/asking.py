@@ -113,11 +113,11 @@ class Asking:
         """False for a cluster never asked while the head has no room for it: it is asked by a
         later pass, and not placed by this one, so its seats go to the clusters after it. (Were
         they kept, a deep queue's unasked clusters would hold most of the idle fleet while
-        nothing is placed on it.)"""
+        nothing is placed on it.) No wake-up of its own: the clusters filling the head wake
+        the pass for their answers, and beat runs one within the dispatch interval anyway."""
         cluster = self.book[planned.id]
         if not score_wait() or self.began[cluster.id] is not None or self._fits(cluster):
             return True
-        self._hold(self.now)
         self.held += 1
         return False
 
