@@ -7,7 +7,7 @@ its scores, not by ties. The offers are job_score rows without a score, as a ses
 each pair is offered once per connection whichever process offers it.
 
 - A pass asks for the clusters of its head only (GRADIENT_OFFER_WINDOW members of a kind, in
-  the planner's order), each member of at most two windows of its idle seats, chosen among a
+  the planner's order), each member of at most a window of its idle seats, chosen among a
   bounded number of candidates, in one statement: a new cluster beyond the head waits for a
   later pass, which places it only once asked (so it takes no seat meanwhile), and what one
   cluster costs does not grow with the idle fleet.
@@ -224,8 +224,8 @@ class Asking:
             return {key for (key,) in cursor.fetchall()}
 
     def _offer(self, asks: list, while_room: bool = False) -> list:
-        """Offer each member of these clusters (with their placements, or None) to up to two
-        windows of idle workers that could seat it and were never offered it: first its
+        """Offer each member of these clusters (with their placements, or None) to up to a
+        window of idle workers that could seat it and were never offered it: first its
         placement's seats without a score, then its candidates (Seating.candidates). One
         statement for them all (their members never share a job), a cluster at most once a
         pass; `while_room`, up to the first that the head has no room for. The clusters any
@@ -257,7 +257,7 @@ class Asking:
                     "workers": int_array(workers),
                     "keys": text_array(keys),
                     "turns": int_array(turns),
-                    "per_member": 2 * window(),
+                    "per_member": ASKED * window(),
                 },
             )
             fresh = cursor.fetchall()
@@ -285,9 +285,12 @@ class Asking:
                 turns.append(turn)
 
 
-# Candidates read per member, in windows: two windows are asked, of the first of these that
-# were never offered the member, so that a large idle set is asked in turn.
-CANDIDATES = 4
+# Seats asked per member, in windows, of the first CANDIDATES windows of candidates that were
+# never offered it, so that a large idle set is asked in turn. One window, not two: a pass's
+# asks are most of its time and of a busy fleet's scored pairs, and placement kept its quality
+# (docs/design.md).
+ASKED = 1
+CANDIDATES = 2
 
 
 class Seating:

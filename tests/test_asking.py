@@ -134,8 +134,8 @@ def test_with_no_score_wait_a_new_cluster_is_placed_at_once_and_nobody_is_asked(
     assert {f["type"] for f in frames} == {"AssignJob"}
 
 
-def test_an_idle_fleet_is_asked_two_windows_of_seats_per_member_from_every_zone(settings):
-    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
+def test_an_idle_fleet_is_asked_a_window_of_seats_per_member_from_every_zone(settings):
+    settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
     workers = idle_workers(10, kinds=("build",), zone="a") + idle_workers(
         10, kinds=("build",), zone="b"
     )
