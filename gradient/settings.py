@@ -103,8 +103,10 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
-# Threads per daphne process running the sessions' database work (see sessions/consumer.py).
+# Threads per daphne process running the sessions' database work (see sessions/threads.py):
+# the frames', and the start path's (acceptances and reports).
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
+REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=6)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -21,8 +21,10 @@ def db(fn):
 
 # The start path's own threads: acceptances, reports, signals, each one short transaction that
 # moves held members to their start or frees a slot. Behind a busy fleet's offers and
-# RequestJobs they would wait long enough for prepares to time out (docs/benchmarks.md).
-REPORT_THREADS = 2
+# RequestJobs they would wait long enough for prepares to time out (docs/benchmarks.md). They
+# wait on PostgreSQL, not the GIL: with two per process, a busy fleet's reports queued and its
+# members were held for seconds before their acceptance was read (docs/design.md).
+REPORT_THREADS = settings.REPORT_THREADS
 report_pool = ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="reports")
 
 
