@@ -106,7 +106,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
 # Threads per daphne process running the sessions' database work (see sessions/threads.py):
 # the frames', and the start path's (acceptances and reports).
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
-REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=6)
+REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=2)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -41,7 +41,7 @@ from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 from sessions.rate_limit import TokenBucket
 from sessions.request_job import answer_request, read_head
 from sessions.starts import STARTS_FIRST_SECS, Starts, session_starts
-from sessions.threads import db, handshake_db, report_db
+from sessions.threads import accept_db, db, handshake_db, report_db
 from workers import offers
 
 log = logging.getLogger(__name__)
@@ -335,9 +335,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
         if response.accepted:
-            await report_db(reports.job_accepted)(self.worker_id, response.job_id)
+            await accept_db(reports.job_accepted)(self.worker_id, response.job_id)
         else:
-            await report_db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
+            await accept_db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
 
     async def on_JobCompleted(self, report: JobCompleted):
         await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)

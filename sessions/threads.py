@@ -19,17 +19,28 @@ def db(fn):
     return database_sync_to_async(fn, thread_sensitive=False, executor=frame_pool)
 
 
-# The start path's own threads: acceptances, reports, signals, each one short transaction that
-# moves held members to their start or frees a slot. Behind a busy fleet's offers and
-# RequestJobs they would wait long enough for prepares to time out (docs/benchmarks.md). They
-# wait on PostgreSQL, not the GIL: with two per process, a busy fleet's reports queued and its
-# members were held for seconds before their acceptance was read (docs/design.md).
+# The start path's own threads: reports and signals, each one short transaction that settles
+# a member or frees a slot. Behind a busy fleet's offers and
+# RequestJobs they would wait long enough for prepares to time out (docs/benchmarks.md). More
+# take daphne's GIL from the event loop: six cost single jobs about a tenth
+# (docs/design.md).
 REPORT_THREADS = settings.REPORT_THREADS
 report_pool = ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="reports")
 
 
 def report_db(fn):
     return database_sync_to_async(fn, thread_sensitive=False, executor=report_pool)
+
+
+# Acceptances apart from the reports: every member of an attempt stays held until the last
+# one's acceptance is read, while a report delays one slot only. Behind a cluster-heavy
+# fleet's completions (each settles its member), acceptances waited seconds (docs/design.md).
+ACCEPT_THREADS = 2
+accept_pool = ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="accepts")
+
+
+def accept_db(fn):
+    return database_sync_to_async(fn, thread_sensitive=False, executor=accept_pool)
 
 
 # The session start's own threads (authenticate, attach, capabilities): daphne refuses a
@@ -41,3 +52,6 @@ handshake_pool = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="hands
 
 def handshake_db(fn):
     return database_sync_to_async(fn, thread_sensitive=False, executor=handshake_pool)
+
+
+POOLS = (frame_pool, report_pool, accept_pool, handshake_pool)

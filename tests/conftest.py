@@ -56,7 +56,7 @@ def _session_pools_close_their_connections(django_db_setup):
 
     from sessions import threads
 
-    for pool in (threads.frame_pool, threads.report_pool, threads.handshake_pool):
+    for pool in threads.POOLS:
         # As many tasks as the pool has threads, each held at a barrier until all run: every
         # thread (started now if it was not yet) takes exactly one.
         barrier = threading.Barrier(pool._max_workers)

@@ -183,3 +183,64 @@ async def test_a_resent_request_beyond_the_slots_of_its_kind_is_not_queued():
     assert consumer.bulk.waiting(lambda m: isinstance(m, JobScores)) == 1
     blocked.set()
     await consumer.bulk.stop()
+
+
+class RowLocks:
+    """Row locks on some assignments, held by a connection of its own until released: a
+    report that finishes one of those rows waits for it."""
+
+    def __init__(self, job_ids: list[str]):
+        params = connection.get_connection_params()
+        self.conn = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+        self.conn.execute(
+            "SELECT 1 FROM dispatched_job WHERE job_id = ANY(%s) FOR UPDATE", [job_ids]
+        )
+
+    def waiters(self) -> int:
+        with psycopg.connect(self.conn.info.dsn, password=self.conn.info.password) as c:
+            return c.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ).fetchone()[0]
+
+    def release(self):
+        self.conn.rollback()
+        self.conn.close()
+
+
+async def test_an_answer_to_an_assignment_is_handled_while_every_report_thread_waits(
+    worker_session,
+):
+    """AssignJobResponse has threads of its own: an acceptance holds a whole attempt's seats,
+    so it must not queue behind other workers' reports (each settling its member)."""
+    from sessions.threads import REPORT_THREADS
+
+    reporters = [(await worker_session())[1] for _ in range(REPORT_THREADS)]
+    _, answering = await worker_session()
+    for _ in range(REPORT_THREADS + 1):
+        await q(lambda: BuildFactory())
+    jobs = []
+    for session in [*reporters, answering]:
+        await session.connect()
+        await session.hello()
+        await session.send({"type": "RequestJob", "kind": "build"})
+        jobs.append(await session.recv_type("AssignJob"))
+    locks = await q(lambda: RowLocks([job["job_id"] for job in jobs[:-1]]))
+    try:
+        for session, job in zip(reporters, jobs, strict=False):
+            done = {"job_id": job["job_id"], "assignment_id": job["assignment_id"]}
+            await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
+        assert await eventually(lambda: locks.waiters() == REPORT_THREADS)
+        refused = jobs[-1]["job_id"]
+        await answering.send({"type": "AssignJobResponse", "job_id": refused, "accepted": False})
+        assert await eventually(
+            lambda: DispatchedJob.objects.get(job_id=refused).outcome == "Abandoned"
+        )
+        assert await q(locks.waiters) == REPORT_THREADS  # the reports still wait
+    finally:
+        await q(locks.release)
+    for job in jobs[:-1]:
+        assert await eventually(
+            lambda job=job: DispatchedJob.objects.get(job_id=job["job_id"]).outcome == "Completed"
+        )
+    for session in [*reporters, answering]:
+        await session.close()
