@@ -281,6 +281,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.queue_bulk(OfferAll(worker))
 
     async def on_OfferAll(self, offer_all: "OfferAll"):
+        # Queued at InitAck, not received: it waits for calm as the worker's frames do, or a
+        # storm's first offers would take PostgreSQL from the starts still under way.
+        await session_starts().wait_for_calm()
         self.head = await db(read_head)(offer_all.worker, self.offered)
         if self.head.offer is not None:
             await self.reply(self.head.offer)

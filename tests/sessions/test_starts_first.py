@@ -1,0 +1,59 @@
+"""Starts first (sessions/starts.py): while many sessions of a process are between their
+handshake and their InitAck, the sessions already started hold their work back, their first
+offer included, and do it once the starts are done."""
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from sessions.starts import STORM_STARTS, session_starts
+from tests.factories import BuildFactory
+
+pytestmark = pytest.mark.asyncio
+
+
+def storm():
+    """As many pending starts on this event loop as a storm has; returns the end of it."""
+    starts = session_starts()
+    for _ in range(STORM_STARTS + 1):
+        starts.begin()
+
+    def calm():
+        for _ in range(STORM_STARTS + 1):
+            starts.end()
+
+    return calm
+
+
+async def test_a_started_session_offers_nothing_until_the_storm_of_starts_is_over(
+    worker_session,
+):
+    _, session = await worker_session()
+    await sync_to_async(BuildFactory)()
+    await session.connect()
+    calm = storm()
+    try:
+        await session.hello()  # its own start is not held back
+        assert await session.silent(0.5)  # the first offer waits
+    finally:
+        calm()
+    offer = await session.recv_type("JobOffer")
+    assert [job["kind"] for job in offer["jobs"]] == ["build"]
+    await session.close()
+
+
+async def test_a_request_for_work_waits_for_the_storm_of_starts_and_is_answered_after(
+    worker_session,
+):
+    _, session = await worker_session()
+    await sync_to_async(BuildFactory)()
+    await session.connect()
+    await session.hello()
+    await session.recv_type("JobOffer")
+    calm = storm()
+    try:
+        await session.send({"type": "RequestJob", "kind": "build"})
+        assert await session.silent(0.5)
+    finally:
+        calm()
+    assert (await session.recv_type("AssignJob"))["job"]["kind"] == "build"
+    await session.close()
