@@ -118,6 +118,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.awaiting: list[str] = []
         self.offers_made = 0
         self.asked = False  # the dispatch pass offered members: their scores wake it
+        self.singles: set[str] = set()  # single jobs given out, not yet answered
         self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
         self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
         self.last_report: asyncio.Future | None = None
@@ -321,6 +322,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         sizes = dict(self.offered.sizes)
         assign = await db(answer_request)(self.worker_id, kind, self.worker, head, sizes)
         if assign is not None:
+            self.singles.add(assign.job_id)  # before the worker can answer it
             await self.reply(assign)
 
     async def on_JobScores(self, scores: JobScores):
@@ -337,10 +339,15 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await db(wake_dispatch)()
 
     async def on_AssignJobResponse(self, response: AssignJobResponse):
+        # A member's answer on the acceptances' threads: its attempt's seats wait for it. A
+        # single job this session gave out stays on the reports' (more threads cost the GIL).
+        single = response.job_id in self.singles
+        self.singles.discard(response.job_id)
+        run = report_db if single else accept_db
         if response.accepted:
-            await accept_db(reports.job_accepted)(self.worker_id, response.job_id)
+            await run(reports.job_accepted)(self.worker_id, response.job_id)
         else:
-            await accept_db(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
+            await run(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
 
     async def on_JobCompleted(self, report: JobCompleted):
         await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)

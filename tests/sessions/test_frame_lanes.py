@@ -207,40 +207,53 @@ class RowLocks:
         self.conn.close()
 
 
-async def test_an_answer_to_an_assignment_is_handled_while_every_report_thread_waits(
-    worker_session,
+async def test_a_members_acceptance_starts_its_attempt_while_every_report_thread_waits(
+    worker_session, settings
 ):
-    """AssignJobResponse has threads of its own: an acceptance holds a whole attempt's seats,
-    so it must not queue behind other workers' reports (each settling its member)."""
+    """A member's AssignJobResponse has threads of its own: its attempt's seats are held until
+    it is read, so it must not queue behind other workers' reports (each settling its job)."""
+    from clusters.dispatch import run_pass
     from sessions.threads import REPORT_THREADS
+    from tests.factories import BuildMemberFactory, ClusterFactory
+    from workers.models import IdleSlot
 
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}  # placed without asking
     reporters = [(await worker_session())[1] for _ in range(REPORT_THREADS)]
-    _, answering = await worker_session()
-    for _ in range(REPORT_THREADS + 1):
-        await q(lambda: BuildFactory())
+    member_worker, member = await worker_session()
     jobs = []
-    for session in [*reporters, answering]:
+    for session in reporters:
+        await q(lambda: BuildFactory())
         await session.connect()
         await session.hello()
         await session.send({"type": "RequestJob", "kind": "build"})
         jobs.append(await session.recv_type("AssignJob"))
-    locks = await q(lambda: RowLocks([job["job_id"] for job in jobs[:-1]]))
+    await member.connect()
+    await member.hello()
+    await member.send({"type": "RequestJob", "kind": "build"})  # nothing left: an idle slot
+    assert await eventually(lambda: IdleSlot.objects.filter(worker=member_worker).exists())
+
+    def submit():
+        BuildMemberFactory(cluster_job=ClusterFactory(), role="only")
+        return run_pass().claimed
+
+    assert len(await q(submit)) == 1
+    held = await member.recv_type("AssignJob")
+    assert held["cluster"] is not None
+    locks = await q(lambda: RowLocks([job["job_id"] for job in jobs]))
     try:
-        for session, job in zip(reporters, jobs, strict=False):
+        for session, job in zip(reporters, jobs, strict=True):
             done = {"job_id": job["job_id"], "assignment_id": job["assignment_id"]}
             await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
         assert await eventually(lambda: locks.waiters() == REPORT_THREADS)
-        refused = jobs[-1]["job_id"]
-        await answering.send({"type": "AssignJobResponse", "job_id": refused, "accepted": False})
-        assert await eventually(
-            lambda: DispatchedJob.objects.get(job_id=refused).outcome == "Abandoned"
-        )
+        await member.send({"type": "AssignJobResponse", "job_id": held["job_id"], "accepted": True})
+        start = await member.recv_type("StartCluster")
+        assert start["attempt"] == held["cluster"]["attempt"]
         assert await q(locks.waiters) == REPORT_THREADS  # the reports still wait
     finally:
         await q(locks.release)
-    for job in jobs[:-1]:
+    for job in jobs:
         assert await eventually(
             lambda job=job: DispatchedJob.objects.get(job_id=job["job_id"]).outcome == "Completed"
         )
-    for session in [*reporters, answering]:
+    for session in [*reporters, member]:
         await session.close()
