@@ -104,7 +104,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
 # Threads per daphne process running the sessions' database work (see sessions/threads.py):
-# the frames', and the start path's (acceptances and reports).
+# the frames', and the reports' (acceptances have two of their own).
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
 REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=2)
 

@@ -350,9 +350,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await run(reports.job_rejected)(self.worker_id, response.job_id, response.reason)
 
     async def on_JobCompleted(self, report: JobCompleted):
+        self.singles.discard(report.job_id)  # a job never answered leaves no entry behind
         await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
 
     async def on_JobFailed(self, report: JobFailed):
+        self.singles.discard(report.job_id)
         await report_db(reports.job_failed)(
             self.worker_id, report.job_id, report.assignment_id, report.kind
         )

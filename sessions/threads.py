@@ -20,10 +20,9 @@ def db(fn):
 
 
 # The start path's own threads: reports and signals, each one short transaction that settles
-# a member or frees a slot. Behind a busy fleet's offers and
-# RequestJobs they would wait long enough for prepares to time out (docs/benchmarks.md). More
-# take daphne's GIL from the event loop: six cost single jobs about a tenth
-# (docs/design.md).
+# a member or frees a slot. Behind a busy fleet's offers and RequestJobs they would wait long
+# enough for prepares to time out (docs/benchmarks.md). More take daphne's GIL from the event
+# loop: six cost single jobs about a tenth (docs/design.md).
 REPORT_THREADS = settings.REPORT_THREADS
 report_pool = ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="reports")
 

@@ -199,7 +199,8 @@ class RowLocks:
     def waiters(self) -> int:
         with psycopg.connect(self.conn.info.dsn, password=self.conn.info.password) as c:
             return c.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
             ).fetchone()[0]
 
     def release(self):
