@@ -49,6 +49,7 @@ from gradient.jobs.models import (
 )
 from gradient.jobs.transitions import advance_builds, advance_evaluations
 from gradient.postgresql.pipeline import send
+from workers.health import quarantined_sql
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +84,19 @@ def _lock_timeout_sql() -> str:
 
 # The claim's steps, one statement each, for one cluster or a batch of them alike, sent
 # together (one round trip, then the commit). The attempts step writes only the attempts of
-# claims that can win: every seat live (and locked here), the cluster Queued without an open
-# attempt (idx-cluster_attempt-open), every member's job able to start; the later steps
-# write only under an attempt it opened, so a claim that loses there writes nothing. Every
-# seat is locked before any cluster: their count is a one-time filter, evaluated before the
-# first claim's row is read.
+# claims that can win: every seat live (idle since the snapshot, its worker not quarantined,
+# and locked here), the cluster Queued without an open attempt (idx-cluster_attempt-open),
+# every member's job able to start; the later steps write only under an attempt it opened,
+# so a claim that loses there writes nothing. Every seat is locked before any cluster: their
+# count is a one-time filter, evaluated before the first claim's row is read.
 OPEN_ATTEMPTS_SQL = f"""
 WITH seats AS MATERIALIZED (
     SELECT t.cluster FROM idle_slot s
     JOIN json_to_recordset(%(seats)s::json)
          AS t(worker bigint, kind text, since timestamptz, cluster bigint, attempt uuid)
       ON s.worker_id = t.worker AND s.kind = t.kind
-    WHERE s.recorded_at >= t.since
+    JOIN worker w ON w.id = s.worker_id
+    WHERE s.recorded_at >= t.since AND NOT {quarantined_sql("w")}
     ORDER BY s.worker_id, s.kind
     FOR UPDATE OF s
 ), live AS (
@@ -168,6 +170,7 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
             ]
         ),
         "claimable": sorted(CLUSTER_CLAIMABLE),
+        "now": timezone.now(),  # a seat's worker quarantined since the snapshot is no seat
         **claim_params(members),
         **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
     }

@@ -21,6 +21,7 @@ from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
 from gradient.wire.keys import member_key, member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
+from workers.health import quarantined_sql
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,12 @@ ANY_SEAT = "(m.pin IS NULL OR m.pin = %(name)s)"
 PINNED_HERE = "m.pin = %(name)s"
 MEMBER_ORDER = "h.prioritized DESC, h.created_at ASC, h.cluster ASC, h.role, h.member"
 # The part's rows as the offer reads them.
-MEMBER_PART = "SELECT key, kind, project, architecture, required_features, paths FROM ({part}) x"
+# A quarantined worker seats no member (workers.health), so none is offered to it: read from its
+# row, since a quarantine can begin while the session runs.
+MEMBER_PART = f"""
+SELECT key, kind, project, architecture, required_features, paths FROM ({{part}}) x
+WHERE NOT (SELECT {quarantined_sql("w")} FROM worker w WHERE w.id = %(worker)s)
+"""
 
 
 def member_head_parts(worker, kinds=JobKind.values) -> list[str]:

@@ -1,5 +1,6 @@
-"""A quarantined worker seats no cluster member: not in a pass, not in a reservation, not asked
-for its scores; explain_cluster says so; single jobs still reach it."""
+"""A quarantined worker seats no cluster member: not in a pass, not in a claim planned before the
+quarantine, not in a reservation, not asked for its scores; explain_cluster says so; single jobs
+still reach it."""
 
 from dataclasses import replace
 from datetime import timedelta
@@ -8,18 +9,19 @@ import pytest
 from django.utils import timezone
 
 from clusters import planner
+from clusters.claim import claim_cluster
 from clusters.dispatch import run_pass
 from clusters.explain import explain
 from clusters.models import ClusterAttempt, ClusterJob
 from clusters.reservation import active_reservation
 from gradient.jobs.models import DispatchedJob
-from tests.clusterflow import idle_workers, make_cluster
+from tests.clusterflow import idle_workers, make_cluster, seated_claim_for
 from tests.factories import BuildFactory, BuildMemberFactory, ClusterFactory, WorkerFactory
 from tests.planning import cluster as planned_cluster
 from tests.planning import member, snapshot, worker
 from workers import health
 from workers.assignment import request_job
-from workers.models import JobScore
+from workers.models import IdleSlot, JobScore
 
 pytestmark = pytest.mark.django_db
 
@@ -68,6 +70,19 @@ def test_a_cluster_waits_rather_than_sit_on_a_quarantined_worker():
     health.release(sick)
     assert run_pass().claimed == [cluster.pk]
     assert seated(cluster) == {sick.pk, well.pk}
+
+
+def test_a_claim_refuses_a_seat_whose_worker_was_quarantined_after_the_snapshot():
+    # The planner read the worker healthy; the operator quarantined it before the claim.
+    cluster = make_cluster()
+    sick, well = WorkerFactory.create_batch(2)
+    claim = seated_claim_for(cluster, [sick, well], timezone.now() - timedelta(seconds=1))
+    health.quarantine(sick, "flaky")
+    assert not claim_cluster(claim)
+    assert not ClusterAttempt.objects.exists() and not DispatchedJob.objects.exists()
+    assert IdleSlot.objects.filter(worker__in=[sick, well]).count() == 2  # both left idle
+    health.release(sick)
+    assert claim_cluster(claim)
 
 
 def test_a_lapsed_automatic_quarantine_seats_members_again():

@@ -19,7 +19,7 @@ from tests.factories import (
     WorkerFactory,
     waiting,
 )
-from workers import offers
+from workers import health, offers
 from workers.head import offerable, read_singles
 from workers.models import JobScore
 
@@ -154,6 +154,19 @@ def test_jobs_the_worker_cannot_run_are_not_offered():
     BuildFactory(required_features=["kvm"])
     waiting(BuildMemberFactory(derivation_build__required_features=["kvm"]))
     assert offered(worker) == []
+
+
+def test_a_quarantined_worker_is_offered_single_jobs_but_no_member():
+    worker, memory = WorkerFactory(), offers.Offered()
+    single, member = BuildFactory(), BuildMemberFactory()
+    waiting(member)
+    # Quarantined after its row was read for the session: the offer reads the row itself.
+    health.quarantine(worker, "flaky")
+    head = offers.offer_head(worker, memory, tracking_parts(worker))
+    assert sorted(job.job_id for job in head.offer.jobs) == [single.job_key]
+    assert not JobScore.objects.filter(worker=worker).exists()
+    health.release(worker)
+    assert offered(worker, memory) == [member.job_key]
 
 
 def test_a_draining_worker_is_offered_nothing():
