@@ -122,6 +122,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
         self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
         self.last_report: asyncio.Future | None = None
+        self.replacing: asyncio.Future | None = None  # telling the session this one replaces
         self.slots = {"eval": 0, "build": 0}  # from the capabilities
         self.live = True
         self.touched = 0.0  # set once attached: attach() is as good as a touch
@@ -137,7 +138,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             previous = await handshake_db(connection.attach)(self.worker_id, self.channel_name)
         self.touched = time.monotonic()
         if previous and previous != self.channel_name:
-            await self.leave_replaced(previous)
+            # Off the start's path: after a restart every session replaces a dead one.
+            self.replacing = asyncio.ensure_future(self.leave_replaced(previous))
         log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
     async def leave_replaced(self, previous: str):
@@ -146,7 +148,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         it: every send to the worker would also go to its dead channel until the group
         expires (a day), filling that channel up. Both best effort, like every send: the old
         session, if still alive, sees that it is no longer the live one at its next liveness
-        check and closes."""
+        check and closes. In a storm it waits for calm, as the sessions' frames do."""
+        await session_starts().wait_for_calm()
         try:
             await self.channel_layer.group_discard(worker_group(self.worker_id), previous)
             await self.channel_layer.send(previous, {"type": "session.replaced"})

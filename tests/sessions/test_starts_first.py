@@ -1,12 +1,14 @@
 """Starts first (sessions/starts.py): while many sessions of a process are between their
 handshake and their InitAck, the sessions already started hold their work back, their first
-offer included, and do it once the starts are done."""
+offer included, and do it once the starts are done; so does a new session's notice to the one it
+replaces."""
 
 import pytest
 from asgiref.sync import sync_to_async
 
 from sessions.starts import STORM_STARTS, session_starts
 from tests.factories import BuildFactory
+from tests.sessions.conftest import Session
 
 pytestmark = pytest.mark.asyncio
 
@@ -57,3 +59,22 @@ async def test_a_request_for_work_waits_for_the_storm_of_starts_and_is_answered_
         calm()
     assert (await session.recv_type("AssignJob"))["job"]["kind"] == "build"
     await session.close()
+
+
+async def test_the_session_a_new_one_replaces_is_told_once_the_storm_of_starts_is_over(
+    worker_session,
+):
+    _, first = await worker_session()
+    await first.connect()
+    await first.hello()
+    calm = storm()
+    try:
+        second = Session(first.token)
+        assert (await second.connect())[0]
+        await second.hello()  # the new session starts at once
+        assert await first.silent(0.5)  # the old one is not told yet
+    finally:
+        calm()
+    closed = await first.ws.receive_output(3)
+    assert closed == {"type": "websocket.close", "code": 4409}
+    await second.close()
