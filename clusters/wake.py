@@ -51,10 +51,13 @@ def wake_dispatch() -> bool:
     """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
     for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
     up for."""
-    if not clusters_waiting():
-        return False
     try:
-        if not _client().set(WAKE_KEY, 1, nx=True, ex=10):
+        client = _client()
+        # Under a busy fleet a pass is nearly always queued: one Redis read then spares each
+        # unanswered RequestJob the database's look at the queue.
+        if client.exists(WAKE_KEY) or not clusters_waiting():
+            return False
+        if not client.set(WAKE_KEY, 1, nx=True, ex=10):
             return False
         app.send_task(DISPATCH_TASK, kwargs={"woken": True})
     except Exception:

@@ -11,7 +11,7 @@ from clusters.dispatch import claim_placements, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.settlement import member_report
 from clusters.tracking import startable_clusters
-from clusters.wake import clusters_waiting
+from clusters.wake import WAKE_KEY, _client, clusters_waiting, wake_dispatch
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.wire.protocol import MemberRef
@@ -315,6 +315,24 @@ def test_a_wake_up_is_worth_a_pass_only_while_a_cluster_waits_for_seats():
     attempt.finished_at = timezone.now()
     attempt.save()
     assert clusters_waiting()  # queued again after a failed prepare
+
+
+def test_a_wake_up_while_a_pass_is_queued_asks_nothing_of_the_database(
+    django_assert_num_queries,
+):
+    """Under a busy fleet every unanswered RequestJob wakes the pass: while one is queued,
+    the wake-up reads Redis alone."""
+    redis = _client()
+    redis.delete(WAKE_KEY)
+    try:
+        with django_assert_num_queries(1):  # no pass queued: does any cluster wait?
+            assert not wake_dispatch()  # none does
+        two_member_cluster()
+        redis.set(WAKE_KEY, 1, ex=10)  # a pass queued, not yet started
+        with django_assert_num_queries(0):
+            assert not wake_dispatch()
+    finally:
+        redis.delete(WAKE_KEY)
 
 
 def test_after_a_failed_prepare_the_cluster_sits_elsewhere_if_it_can(settings):

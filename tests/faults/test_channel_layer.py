@@ -58,3 +58,45 @@ async def test_a_burst_to_the_sessions_of_one_process_is_delivered_whole(tmp_pat
         await sender.close_pools()
     finally:
         redis.stop()
+
+
+async def test_group_send_many_delivers_as_group_send_in_order_and_within_capacity(tmp_path):
+    """A pass's frames to many workers' groups go in one batched send: each frame reaches every
+    channel of its group (the sessions of two processes, a worker with two sessions), a
+    channel's frames arrive in the order given, and a full inbox drops what exceeds it."""
+    redis = PrivateRedis(tmp_path)
+    redis.start()
+    try:
+        host = {**settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0], "address": redis.url}
+        first = BlockingRedisChannelLayer(hosts=[host], capacity=1000)
+        second = BlockingRedisChannelLayer(hosts=[host], capacity=1000)
+        sender = BlockingRedisChannelLayer(hosts=[host], capacity=1000)
+        a, b = await first.new_channel(), await second.new_channel()
+        both = await first.new_channel()
+        await first.group_add("worker-a", a)
+        await second.group_add("worker-b", b)
+        await first.group_add("worker-both", both)
+        await second.group_add("worker-both", b)
+        sends = [("worker-a", {"type": "worker.send", "frame": f"a{i}"}) for i in range(300)]
+        sends += [("worker-both", {"type": "worker.send", "frame": "to both"})]
+        sends += [("worker-nobody", {"type": "worker.send", "frame": "lost"})]
+        sends += [("worker-b", {"type": "worker.send", "frame": f"b{i}"}) for i in range(3)]
+        assert await sender.group_send_many(sends) == 0
+        got_a = [(await first.receive(a))["frame"] for _ in range(300)]
+        assert got_a == [f"a{i}" for i in range(300)]
+        assert (await first.receive(both))["frame"] == "to both"
+        got_b = [(await second.receive(b))["frame"] for _ in range(4)]
+        assert got_b == ["to both", "b0", "b1", "b2"]
+
+        small = BlockingRedisChannelLayer(hosts=[host], capacity=2)
+        c = await first.new_channel()
+        await first.group_add("worker-c", c)
+        sends = [("worker-c", {"type": "worker.send", "frame": f"c{i}"}) for i in range(5)]
+        assert await small.group_send_many(sends) == 3
+        assert [(await first.receive(c))["frame"] for _ in range(2)] == ["c0", "c1"]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(first.receive(c), 0.5)
+        for layer in (first, second, sender, small):
+            await layer.close_pools()
+    finally:
+        redis.stop()
