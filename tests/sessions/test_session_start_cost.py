@@ -10,6 +10,7 @@ import psycopg
 import pytest
 from asgiref.sync import sync_to_async
 
+from clusters.wake import WAKE_KEY, _client
 from tests.sessions.conftest import Session
 from tests.test_query_counts import REQUEST_IDLE
 from workers.models import Worker
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.asyncio
 START = 4
 # Then the reference worker asks for a job per free slot (eval and build) and, none queued,
 # gets idle slots: each such RequestJob as pinned where the RequestJob path is, and the
-# dispatch wake-up's question whether any cluster waits at all.
+# dispatch wake-up's question whether any cluster waits at all (asked while no pass is
+# queued, as here: with one queued, the wake-up reads Redis alone).
 REQUESTS = 2 * (REQUEST_IDLE + 1)
 
 
@@ -110,6 +112,7 @@ def shown(cost: dict) -> str:
 
 async def test_a_session_start_costs_a_pinned_number_of_statements(worker_session, statements):
     worker, session = await worker_session()
+    _client().delete(WAKE_KEY)  # an earlier test's wake-up may still look queued
     statements.take()
     cost = await start(session, worker.pk, statements)
     counts = {phase: len(sql) for phase, sql in cost.items()}
