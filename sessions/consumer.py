@@ -9,7 +9,6 @@ import time
 
 from autobahn.exception import Disconnected
 from channels.consumer import get_handler_name
-from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -40,7 +39,7 @@ from sessions.connection import bearer_token
 from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 from sessions.rate_limit import TokenBucket
 from sessions.request_job import answer_request, read_head
-from sessions.starts import STARTS_FIRST_SECS, Starts, session_starts
+from sessions.starts import STARTS_FIRST_SECS, Starts, leave_replaced, session_starts
 from sessions.threads import accept_db, db, handshake_db, report_db
 from workers import offers
 
@@ -139,27 +138,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.touched = time.monotonic()
         if previous and previous != self.channel_name:
             # Off the start's path: after a restart every session replaces a dead one.
-            self.replacing = asyncio.ensure_future(self.leave_replaced(previous))
-        log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
-
-    async def leave_replaced(self, previous: str):
-        """The session this one replaces leaves the worker's group and is told to close. Its
-        own disconnect would do the first, but a session whose daphne was killed never runs
-        it: every send to the worker would also go to its dead channel until the group
-        expires (a day), filling that channel up. Both best effort, like every send: the old
-        session, if still alive, sees that it is no longer the live one at its next liveness
-        check and closes. In a storm it waits for calm, as the sessions' frames do."""
-        await session_starts().wait_for_calm()
-        try:
-            await self.channel_layer.group_discard(worker_group(self.worker_id), previous)
-            await self.channel_layer.send(previous, {"type": "session.replaced"})
-        except ChannelFull:
-            # Nobody reads that channel: its session died with its daphne, nothing to tell.
-            pass
-        except Exception:
-            log.warning(
-                "could not tell the replaced session of worker %s", self.worker_name, exc_info=True
+            self.replacing = asyncio.ensure_future(
+                leave_replaced(self.channel_layer, self.worker_id, self.worker_name, previous)
             )
+        log.info("worker %s connected", self.worker_name, extra=ids(worker=self.worker_id))
 
     async def disconnect(self, code):
         self.start_ended()

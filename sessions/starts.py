@@ -1,9 +1,16 @@
-"""Session starts of one event loop: how many run at once, and the other sessions' frames held
-back while many are pending (a reconnect storm)."""
+"""Session starts of one event loop: how many run at once, the other sessions' frames held
+back while many are pending (a reconnect storm), and the session a start replaces."""
 
 import asyncio
 import contextlib
+import logging
 import weakref
+
+from channels.exceptions import ChannelFull
+
+from gradient.wire.groups import worker_group
+
+log = logging.getLogger(__name__)
 
 # Session starts under way at once, per event loop. With every worker accepted at once, a
 # thousand group_adds would wait together for the channel layer's Redis connections (200) and
@@ -52,3 +59,20 @@ def session_starts() -> Starts:
     if loop not in _starts:
         _starts[loop] = Starts()
     return _starts[loop]
+
+
+async def leave_replaced(layer, worker_id: int, worker_name: str, previous: str):
+    """The session a new one replaces (channel `previous`) leaves the worker's group and is
+    told to close. Its own disconnect would do the first, but a session whose daphne was
+    killed never runs it: every send to the worker would also go to its dead channel until
+    the group expires (a day), filling that channel up. Both best effort, like every send:
+    the old session, if still alive, sees that it is no longer the live one at its next
+    liveness check and closes. In a storm it waits for calm, as the sessions' frames do."""
+    await session_starts().wait_for_calm()
+    try:
+        await layer.group_discard(worker_group(worker_id), previous)
+        await layer.send(previous, {"type": "session.replaced"})
+    except ChannelFull:
+        pass  # nobody reads that channel: its session died with its daphne
+    except Exception:
+        log.warning("could not tell the replaced session of worker %s", worker_name, exc_info=True)
