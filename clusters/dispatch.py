@@ -138,8 +138,9 @@ def snapshot(
                 },
             )
             avoid = {cluster_id: frozenset(workers) for cluster_id, workers in cursor.fetchall()}
-    pinned = frozenset(m.key for c in clusters for m in c.members if m.pin is not None)
-    scores = CheapestScores(keys if idle else [], whole=pinned)
+    idle_id = {w.name: w.pk for w in idle}
+    pins = {m.key: idle_id.get(m.pin) for c in clusters for m in c.members if m.pin is not None}
+    scores = CheapestScores(keys if idle else [], pins=pins)
     if stream and not connection.in_atomic_block:
         scores.start()
     else:

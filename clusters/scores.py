@@ -16,7 +16,7 @@ from itertools import pairwise
 import numpy as np
 from django.db import close_old_connections, connection
 
-from gradient.postgresql.arrays import text_array
+from gradient.postgresql.arrays import int_array, text_array
 
 # Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
 # more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
@@ -86,6 +86,29 @@ def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
 
 
+# The score of each pinned member's job on its pin's worker, packed as CHEAPEST_SCORES_SQL's.
+PIN_SCORES_SQL = """
+SELECT s.job_id, int8send(s.worker_id) || int8send(s.missing_nar_size)
+FROM unnest(%(keys)s::text[], %(workers)s::bigint[]) AS p(key, worker_id)
+JOIN job_score s ON s.job_id = p.key AND s.worker_id = p.worker_id
+WHERE s.missing_nar_size IS NOT NULL
+"""
+
+
+def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each pinned job's score on its pin's worker, where it has one."""
+    asked = {key: worker for key, worker in pins.items() if worker is not None}
+    if not asked:
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            PIN_SCORES_SQL,
+            {"keys": text_array(list(asked)), "workers": int_array(list(asked.values()))},
+        )
+        rows = cursor.fetchall()
+    return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
+
+
 @contextmanager
 def own_connection():
     """Work on a pass's thread, with that thread's own connection: dropped before if it broke
@@ -125,13 +148,14 @@ class CheapestScores(Mapping):
     keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
     `truncated` tells (waiting likewise) whether a key has more scores than were read.
 
-    The keys in `whole` are read in full instead: a pinned member has one seat, which is
-    seldom among its job's cheapest, so the planner would read its full list anyway, one query
-    each while it waits (a tenth of the clusters in docs/benchmarks.md's pass)."""
+    The keys in `pins` (a pinned member's job -> its pin's worker id, None when that worker
+    has no idle slot) are read for that worker's score alone, and are complete: a pinned
+    member has one seat, seldom among its job's cheapest, and its job's full list would be
+    read for the one score that matters."""
 
-    def __init__(self, keys: list[str], whole: frozenset[str] = frozenset()):
+    def __init__(self, keys: list[str], pins: Mapping[str, int | None] | None = None):
         self._keys = keys
-        self._whole_keys = whole
+        self._pins = pins or {}
         self._bounds = _chunks(len(keys))
         self._chunk_of = {
             key: chunk
@@ -164,10 +188,10 @@ class CheapestScores(Mapping):
                         raise RuntimeError("the pass stopped reading scores")
                     start, stop = self._bounds[chunk]
                     keys = self._keys[start:stop]
-                    whole = [key for key in keys if key in self._whole_keys]
-                    if whole:
-                        keys = [key for key in keys if key not in self._whole_keys]
-                        self._arrays.update(all_scores(whole))
+                    pinned = [key for key in keys if key in self._pins]
+                    if pinned:
+                        keys = [key for key in keys if key not in self._pins]
+                        self._arrays.update(pin_scores({k: self._pins[k] for k in pinned}))
                     rows = []
                     if keys:  # (a chunk may hold pinned members' keys only)
                         cursor.execute(

@@ -59,21 +59,27 @@ def test_the_reader_keeps_a_few_chunks_ahead_of_the_planner_and_no_further():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_keys_asked_whole_come_in_full_the_others_cheapest_first_and_truncated():
+def test_a_pinned_job_is_read_for_its_pins_score_alone_the_others_cheapest_first():
     from clusters.scores import CHEAPEST
     from tests.factories import WorkerFactory, answered_scores
 
     workers = WorkerFactory.create_batch(CHEAPEST + 3)
     pinned, other = f"eval:{uuid.uuid4()}", f"build:{uuid.uuid4()}"
-    # The last workers are the cheapest.
-    answered_scores((w, key, 1000 - i) for key in (pinned, other) for i, w in enumerate(workers))
+    busy_pin, unscored = f"eval:{uuid.uuid4()}", f"build:{uuid.uuid4()}"
+    # The last workers are the cheapest; the pin, the first, is the dearest.
+    answered_scores(
+        (w, key, 1000 - i) for key in (pinned, other, busy_pin) for i, w in enumerate(workers)
+    )
     by_size = [w.pk for w in reversed(workers)]
+    pin = workers[0].pk
 
-    scores = CheapestScores([other, pinned], whole=frozenset({pinned}))
+    pins = {pinned: pin, busy_pin: None, unscored: pin}  # busy_pin's worker has no idle slot
+    scores = CheapestScores([other, pinned, busy_pin, unscored], pins=pins)
     scores.read()
 
-    assert scores[pinned][0].tolist() == by_size  # every score, cheapest first
-    assert pinned not in scores.truncated
+    assert scores[pinned][0].tolist() == [pin] and scores[pinned][1].tolist() == [1000]
+    assert pinned not in scores.truncated  # complete: its pin is its only seat
+    assert busy_pin not in scores and unscored not in scores
     assert scores[other][0].tolist() == by_size[:CHEAPEST]
     assert other in scores.truncated
 
