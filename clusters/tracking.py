@@ -19,7 +19,7 @@ from clusters import planner
 from clusters.models import AttemptOutcome, ClusterStatus
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
-from gradient.wire.keys import member_key, member_key_sql
+from gradient.wire.keys import member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 from workers.health import quarantined_sql
 
@@ -134,10 +134,11 @@ LIMIT %(limit)s
 
 # The members of the clusters that can start, with what their seats and AssignJobs need, in
 # the order the ORM would give them (ClusterMember.Meta.ordering).
-MEMBERS_SQL = """
+MEMBERS_SQL = f"""
 SELECT m.cluster_job_id, m.id, m.role, m.pin, m.evaluation_id, m.derivation_build_id,
        coalesce(e.architecture, b.architecture), coalesce(e.required_features, b.required_features),
-       p.id, p.name, coalesce(b.cache_available, false), coalesce(e.paths, b.paths)
+       p.id, p.name, coalesce(b.cache_available, false), coalesce(e.paths, b.paths),
+       {member_key_sql("m.evaluation_id", "m.derivation_build_id")}
 FROM cluster_member m
 LEFT JOIN evaluation e ON e.id = m.evaluation_id
 LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
@@ -162,10 +163,7 @@ class _Member(NamedTuple):
     project: str
     cache_available: bool
     paths: list[str]
-
-    @property
-    def job_key(self) -> str:
-        return member_key(self.evaluation_id, self.derivation_build_id)
+    job_key: str  # made by PostgreSQL: formatting uuids was half the book's Python time
 
 
 def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
