@@ -25,8 +25,10 @@ missing, emptied before each fleet size) and Redis database 11.
 """
 
 import argparse
+import ast
 import asyncio
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -353,6 +355,7 @@ def run_one(count: int, args) -> dict:
         result = asyncio.run(drive(url, rows, args, feeder, meter))
         # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
         crashed, result["tracebacks"] = common.log_problems(procs)
+        result["passes"] = dispatch_passes(procs.log_text("celery-worker"))
     finally:
         procs.stop()
         common.flush_redis(env["REDIS_URL"])
@@ -506,13 +509,47 @@ def method(args) -> list[str]:
         " grow with the cores, not with the slots.",
         "The asking's cadence: a pass asks at most a window of never-asked members per kind and"
         " places a cluster only once asked, so a deep cluster queue starts about that many"
-        " members per kind per pass. At 1,000 workers a pass takes 1 to 2 s, and about 750 of the"
-        " fleet were idle in each pass's snapshot (a by-hand log of the passes, 2026-12-02).",
+        " members per kind per pass. The passes that saw a ready cluster, from Celery's log of"
+        " the whole run, are listed with the run.",
         f"Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
         f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
         f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
         f" {TARGET_KEPT[2]:g} x those at {TARGET_KEPT[1]}.",
     ]
+
+
+# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
+PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in [0-9.]+s: (\{.*\})")
+
+
+def dispatch_passes(log: str) -> dict:
+    """The passes that saw a ready cluster: how many, their median seconds, how many placed
+    nothing, and the median of clusters ready."""
+    seen = [ast.literal_eval(m.group(1)) for m in PASS_LINE.finditer(log)]
+    seen = [r for r in seen if r["ready"]]
+    if not seen:
+        return {"count": 0}
+    return {
+        "count": len(seen),
+        "seconds": statistics.median(r["seconds"] for r in seen),
+        "empty": sum(1 for r in seen if not r["placed"]),
+        "ready": statistics.median(r["ready"] for r in seen),
+    }
+
+
+def passes_line(results: list[dict]) -> str:
+    parts = []
+    for r in results:
+        p = r.get("passes", {"count": 0})
+        size = f"{r['single_workers'] + r['cluster_workers']:,} workers"
+        if not p["count"]:
+            parts.append(f"{size}: none")
+            continue
+        parts.append(
+            f"{size}: {p['count']}, median {p['seconds']:.2f} s, {p['empty']} placing nothing,"
+            f" a median of {p['ready']:,.0f} clusters ready"
+        )
+    return "Dispatch passes that saw a ready cluster (whole run): " + "; ".join(parts) + "."
 
 
 def observed(results: list[dict]) -> list[str]:
@@ -529,6 +566,7 @@ def observed(results: list[dict]) -> list[str]:
         "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
         f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
         f" {tracebacks}.",
+        passes_line(results),
     ]
 
 
