@@ -581,8 +581,8 @@ def section(command: str, results: list[dict], args) -> str:
 
 
 def run_alone(count: int, args) -> dict:
-    """One fleet size in a process of its own: run after the smaller ones in the same process,
-    1,000 workers started 64.5 member starts/s, against 85.0 in a process of its own."""
+    """One fleet size in a process of its own: the fleet runs in this script's process, and
+    what the earlier sizes' fleets left there slowed the next one's (docs/benchmarks.md)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         options = {

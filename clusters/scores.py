@@ -78,12 +78,17 @@ def _unpack_all(packed: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
     return lists
 
 
-def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
+def _read_lists(sql: str, params: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(job key, packed scores) rows of a statement, unpacked per key."""
     with connection.cursor() as cursor:
-        cursor.execute(ALL_SCORES_SQL, {"keys": text_array(keys)})
+        cursor.execute(sql, params)
         rows = cursor.fetchall()
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
+
+
+def all_scores(keys: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every answered score of these jobs, sorted like their cheapest: by (size, worker id)."""
+    return _read_lists(ALL_SCORES_SQL, {"keys": text_array(keys)})
 
 
 # The score of each pinned member's job on its pin's worker, packed as CHEAPEST_SCORES_SQL's.
@@ -100,13 +105,8 @@ def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np
     asked = {key: worker for key, worker in pins.items() if worker is not None}
     if not asked:
         return {}
-    with connection.cursor() as cursor:
-        cursor.execute(
-            PIN_SCORES_SQL,
-            {"keys": text_array(list(asked)), "workers": int_array(list(asked.values()))},
-        )
-        rows = cursor.fetchall()
-    return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
+    params = {"keys": text_array(list(asked)), "workers": int_array(list(asked.values()))}
+    return _read_lists(PIN_SCORES_SQL, params)
 
 
 @contextmanager

@@ -13,6 +13,8 @@ inbox. Here a pop also takes what else is waiting, up to RECEIVE_BATCH, and hand
 from memory. The backup copy goes: a message popped by a process that then dies is lost, as
 a message in a Redis that restarts is; every frame the layer carries is a wake-up whose
 state is in PostgreSQL.
+
+group_send_many sends to many groups at once, for the passes that reach hundreds of workers.
 """
 
 import collections
@@ -43,14 +45,42 @@ return dropped
 """
 
 
-class BatchedGroupSends:
-    """group_send for many groups at once, each message to its group as group_send delivers
-    it, in two round trips per Redis host instead of four per group: a pass's offers and
-    AssignJobs go to hundreds of workers' groups, and one group_send at a time spent more of
-    the pass's process than the pass itself (docs/design.md)."""
+class BlockingRedisChannelLayer(RedisChannelLayer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._popped: collections.defaultdict = collections.defaultdict(collections.deque)
+
+    def create_pool(self, index):
+        host = dict(self.hosts[index])
+        return BlockingConnectionPool.from_url(host.pop("address"), **host)
+
+    async def receive_single(self, channel):
+        """One message off the channel: the oldest of those popped before, or a pop that
+        takes the others waiting with it."""
+        assert self.require_valid_channel_name(channel, receive=True), "Channel name invalid"
+        key = self.prefix + channel
+        popped = self._popped[key]
+        if not popped:
+            if "!" in channel:
+                index = self.consistent_hash(channel)
+            else:
+                index = next(self._receive_index_generator)
+            connection = self.connection(index)
+            while not popped:
+                first = await connection.bzpopmin(key, timeout=self.brpop_timeout)
+                if first is not None:
+                    popped.append(first[1])
+                    more = await connection.zpopmin(key, RECEIVE_BATCH - 1)
+                    popped.extend(member for member, _ in more)
+        message = self.deserialize(popped.popleft())
+        if "__asgi_channel__" in message:
+            channel = message.pop("__asgi_channel__")
+        return channel, message
 
     async def group_send_many(self, sends: list[tuple[str, dict]]) -> int:
-        """Send each (group, message); the messages dropped for a full channel."""
+        """Send each (group, message) as group_send would, in two round trips per Redis host
+        instead of four per group: a pass's offers and AssignJobs go to hundreds of workers'
+        groups (docs/design.md). The messages dropped for a full channel."""
         members = await self._group_members([group for group, _ in sends])
         per_host: dict[int, list[tuple[str, bytes, int]]] = collections.defaultdict(list)
         for (_, message), channels in zip(sends, members, strict=True):
@@ -94,36 +124,3 @@ class BatchedGroupSends:
             for i, names in zip(positions, replies[1::2], strict=True):
                 out[i] = [name.decode() for name in names]
         return out
-
-
-class BlockingRedisChannelLayer(BatchedGroupSends, RedisChannelLayer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._popped: collections.defaultdict = collections.defaultdict(collections.deque)
-
-    def create_pool(self, index):
-        host = dict(self.hosts[index])
-        return BlockingConnectionPool.from_url(host.pop("address"), **host)
-
-    async def receive_single(self, channel):
-        """One message off the channel: the oldest of those popped before, or a pop that
-        takes the others waiting with it."""
-        assert self.require_valid_channel_name(channel, receive=True), "Channel name invalid"
-        key = self.prefix + channel
-        popped = self._popped[key]
-        if not popped:
-            if "!" in channel:
-                index = self.consistent_hash(channel)
-            else:
-                index = next(self._receive_index_generator)
-            connection = self.connection(index)
-            while not popped:
-                first = await connection.bzpopmin(key, timeout=self.brpop_timeout)
-                if first is not None:
-                    popped.append(first[1])
-                    more = await connection.zpopmin(key, RECEIVE_BATCH - 1)
-                    popped.extend(member for member, _ in more)
-        message = self.deserialize(popped.popleft())
-        if "__asgi_channel__" in message:
-            channel = message.pop("__asgi_channel__")
-        return channel, message
