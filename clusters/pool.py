@@ -46,6 +46,7 @@ class Pool:
         group_of_zone = np.cumsum(self._peopled) - 1
         self._group_of_column = group_of_zone[self._zone_of]
         self._group_count = int(self._peopled.sum())
+        self._group_range = np.arange(self._group_count)[:, None]
         ids = np.array([w.id for w in self.workers], dtype=np.int64)
         self.ids = ids  # each column's worker id
         self._by_id = np.argsort(ids)
@@ -90,15 +91,14 @@ class Pool:
         if not same_zone:
             at = int(seat.argmax()) if seat.size else 0
             return [at if seat.size and seat[at] else -1]
-        # Each seat's group, the non-seats a group past the last; np.unique gives the first
-        # position of each.
+        if not seat.size:
+            return [-1] * self._group_count
+        # Each seat's group, the non-seats a group past the last; per group, the first position
+        # that holds it (argmax finds the first True), checked, since argmax of none is 0.
         groups = np.where(seat, self._group_of_column[columns], self._group_count)
-        found, first = np.unique(groups, return_index=True)
-        out = [-1] * self._group_count
-        for group, at in zip(found.tolist(), first.tolist(), strict=True):
-            if group < self._group_count:
-                out[group] = at
-        return out
+        hit = groups == self._group_range
+        first = hit.argmax(axis=1)
+        return np.where(hit[self._group_range[:, 0], first], first, -1).tolist()
 
     def eligible(self, member: Member) -> np.ndarray:
         """Columns that are a seat for the member (seat_reason None), whether seated or not."""
