@@ -580,24 +580,15 @@ def section(command: str, results: list[dict], args) -> str:
     return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 
-def run_alone(count: int, args) -> dict:
+def run_alone(count: int) -> dict:
     """One fleet size in a process of its own: the fleet runs in this script's process, and
     what the earlier sizes' fleets left there slowed the next one's (docs/benchmarks.md)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        options = {
-            "--database": args.database,
-            "--fleets": count,
-            "--warmup": args.warmup,
-            "--window": args.window,
-            "--ramp": args.ramp,
-            "--single-share": args.single_share,
-            "--connect-timeout": args.connect_timeout,
-            "--job-min": args.job_min,
-            "--job-max": args.job_max,
-            "--result-to": out,
-        }
-        argv = [sys.executable, __file__, *(str(x) for kv in options.items() for x in kv)]
+        # The caller's own options, then the size and the result file: argparse keeps the
+        # last of a repeated option. (A child with --result-to writes no section.)
+        extra = ["--fleets", str(count), "--result-to", str(out)]
+        argv = [sys.executable, __file__, *sys.argv[1:], *extra]
         subprocess.run(argv, check=True)
         return json.loads(out.read_text())
 
@@ -631,7 +622,7 @@ def main() -> None:
             args.result_to.write_text(json.dumps(results[0]))
             return
     else:
-        results = [run_alone(n, args) for n in fleets]
+        results = [run_alone(n) for n in fleets]
     common.finish(
         HEADER,
         rows(results),

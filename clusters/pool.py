@@ -94,11 +94,10 @@ class Pool:
         if not seat.size:
             return [-1] * self._group_count
         # Each seat's group, the non-seats a group past the last; per group, the first position
-        # that holds it (argmax finds the first True), checked, since argmax of none is 0.
+        # that holds it (argmax finds the first True; for a group with none it gives 0).
         groups = np.where(seat, self._group_of_column[columns], self._group_count)
         hit = groups == self._group_range
-        first = hit.argmax(axis=1)
-        return np.where(hit[self._group_range[:, 0], first], first, -1).tolist()
+        return np.where(hit.any(axis=1), hit.argmax(axis=1), -1).tolist()
 
     def eligible(self, member: Member) -> np.ndarray:
         """Columns that are a seat for the member (seat_reason None), whether seated or not."""
