@@ -104,9 +104,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
 # Threads per daphne process running the sessions' database work (see sessions/threads.py):
-# the frames', and the reports' (acceptances have two of their own).
+# the frames', the reports', and members' acceptances'.
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
 REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=2)
+ACCEPT_THREADS = env.int("GRADIENT_ACCEPT_THREADS", default=4)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
