@@ -39,7 +39,6 @@ from sessions.connection import bearer_token
 from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 from sessions.rate_limit import TokenBucket
 from sessions.request_job import answer_request, read_head
-from sessions.score_writes import score_writes
 from sessions.starts import STARTS_FIRST_SECS, Starts, leave_replaced, session_starts
 from sessions.threads import accept_db, db, handshake_db, report_db
 from workers import offers
@@ -317,7 +316,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         latest = list({score.job_id: score for score in scores.scores}.values())
         members = self.offered.record(latest)
         if members:
-            await score_writes().write(self.worker_id, members)
+            await db(offers.record_scores)(self.worker_id, members)
         if self.awaiting:
             await self.answer_awaiting()
         if self.asked:  # the pass waits for these scores to place a cluster

@@ -240,30 +240,3 @@ def test_a_request_is_offered_the_head_of_its_own_kind():
     head = offers.offer_head(worker, memory, tracking_parts(worker), kinds=("eval",))
     assert [j.job_id for j in head.offer.jobs] == [evaluation.job_key]
     assert set(memory.sizes) == {build.job_key, evaluation.job_key}  # the build is kept
-
-
-def test_several_workers_answers_are_written_in_one_statement_later_scores_kept():
-    first, second = WorkerFactory(), WorkerFactory()
-    keys = [f"build:00000000-0000-0000-0000-{i:012d}" for i in range(3)]
-
-    def score(key, size):
-        return Score(job_id=key, missing_count=1, missing_nar_size=size)
-
-    answers = [
-        (first.pk, [score(keys[0], 5), score(keys[1], 6)]),
-        (second.pk, [score(keys[0], 9)]),
-        (first.pk, [score(keys[1], 4), score(keys[2], 3)]),  # keys[1] again: the later kept
-    ]
-    with CaptureQueriesContext(db_connection) as queries:
-        assert offers.record_answers(answers) == 4
-    assert len(queries) == 1
-    rows = JobScore.objects.values_list("worker_id", "job_id", "missing_nar_size")
-    assert sorted(rows) == sorted(
-        [
-            (first.pk, keys[0], 5),
-            (first.pk, keys[1], 4),
-            (first.pk, keys[2], 3),
-            (second.pk, keys[0], 9),
-        ]
-    )
-    assert offers.record_answers([(first.pk, [])]) == 0

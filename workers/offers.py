@@ -170,15 +170,14 @@ def _head_job(row: list) -> HeadJob:
     return job._replace(id=uuid.UUID(job.id))
 
 
-# JobScores answers for members, of any number of workers, in one statement, no model
-# instances. Every writer of job_score inserts in (worker, job) order, so that two that
-# overlap cannot deadlock.
+# A JobScores answer for members, in one statement, no model instances. Every writer of
+# job_score inserts in (worker, job) order, so that two that overlap cannot deadlock.
 RECORD_SCORES_SQL = """
 INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
-SELECT s.worker_id, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
-FROM unnest(%(workers)s::bigint[], %(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
-     AS s(worker_id, job_id, missing_count, missing_nar_size)
-ORDER BY s.worker_id, s.job_id
+SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
+FROM unnest(%(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
+     AS s(job_id, missing_count, missing_nar_size)
+ORDER BY s.job_id
 ON CONFLICT (worker_id, job_id) DO UPDATE
 SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_nar_size,
     scored_at = EXCLUDED.scored_at
@@ -186,27 +185,20 @@ SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_
 
 
 def record_scores(worker_id: int, scores) -> int:
-    """Store one worker's scores of members (or of keys not offered as single jobs: the next
-    offer deletes those unless the job is at the worker's head)."""
-    return record_answers([(worker_id, scores)])
-
-
-def record_answers(answers: Iterable[tuple[int, Iterable]]) -> int:
-    """Store the scores of several answers, (worker id, scores) each, in one statement; a job
-    a worker scored twice keeps its later score (PostgreSQL refuses an upsert that touches
-    one row twice). How many rows were written."""
-    latest = {(worker_id, s.job_id): s for worker_id, scores in answers for s in scores}
-    if not latest:
+    """Store the scores of members (or of keys not offered as single jobs: the next offer
+    deletes those unless the job is at the worker's head). One score per job: PostgreSQL
+    refuses an upsert that touches one row twice."""
+    if not scores:
         return 0
     with db_connection.cursor() as cursor:
         cursor.execute(
             RECORD_SCORES_SQL,
             {
+                "worker": worker_id,
                 "now": timezone.now(),
-                "workers": int_array(worker_id for worker_id, _ in latest),
-                "jobs": text_array([job for _, job in latest]),
-                "counts": int_array(s.missing_count for s in latest.values()),
-                "sizes": int_array(s.missing_nar_size for s in latest.values()),
+                "jobs": text_array([s.job_id for s in scores]),
+                "counts": int_array(s.missing_count for s in scores),
+                "sizes": int_array(s.missing_nar_size for s in scores),
             },
         )
-    return len(latest)
+    return len(scores)

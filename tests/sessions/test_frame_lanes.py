@@ -7,6 +7,7 @@ import threading
 
 import psycopg
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connection
 
 from gradient.jobs.models import DispatchedJob
@@ -14,9 +15,42 @@ from gradient.wire.protocol import JobScores, RequestJob
 from sessions.consumer import WorkerConsumer
 from sessions.frame_queue import FrameQueue
 from tests.factories import BuildFactory, EvaluationFactory
-from tests.sessions.session_db import TableLock, eventually, q
 
 pytestmark = pytest.mark.asyncio
+
+
+def q(fn):
+    return sync_to_async(fn)()
+
+
+class TableLock:
+    """An ACCESS EXCLUSIVE lock on a table, held by a connection of its own until released:
+    every statement that reads the table waits for it."""
+
+    def __init__(self, table: str):
+        params = connection.get_connection_params()
+        self.conn = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+        self.conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        self.table = table
+
+    def waiters(self) -> int:
+        with psycopg.connect(self.conn.info.dsn, password=self.conn.info.password) as c:
+            return c.execute(
+                "SELECT count(*) FROM pg_locks WHERE relation = %s::regclass AND NOT granted",
+                [self.table],
+            ).fetchone()[0]
+
+    def release(self):
+        self.conn.rollback()
+        self.conn.close()
+
+
+async def eventually(check, timeout=5.0):
+    for _ in range(int(timeout / 0.05)):
+        if await q(check):
+            return True
+        await asyncio.sleep(0.05)
+    return await q(check)
 
 
 async def test_a_report_is_handled_while_a_request_before_it_waits_for_the_database(
