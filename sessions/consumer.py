@@ -118,8 +118,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.offers_made = 0
         self.asked = False  # the dispatch pass offered members: their scores wake it
         self.singles: set[str] = set()  # single jobs given out, not yet answered
+        self.accepts = FrameQueue(f"worker {self.worker_name} accepts", self.handle, self.failed)
         self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
         self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
+        self.last_accept: asyncio.Future | None = None
         self.last_report: asyncio.Future | None = None
         self.replacing: asyncio.Future | None = None  # telling the session this one replaces
         self.slots = {"eval": 0, "build": 0}  # from the capabilities
@@ -147,7 +149,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.start_ended()
         if self.worker_id is None:
             return
-        # The reports first: a bulk frame may be waiting for one.
+        # The start path first: a report may wait for an acceptance, a bulk frame for a report.
+        await self.accepts.stop()
         await self.reports.stop()
         await self.bulk.stop()
         await self.channel_layer.group_discard(worker_group(self.worker_id), self.channel_name)
@@ -194,8 +197,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await self.handle(message)  # the start path: InitAck, then the offer (queued)
         elif isinstance(message, BULK):
             self.queue_bulk(message)
+        elif isinstance(message, AssignJobResponse) and message.job_id not in self.singles:
+            # A member's answer holds its whole attempt: it does not wait for this worker's
+            # reports before it (a completion settles a job: seconds on a loaded host). The
+            # reports after it wait for it, so each job's frames stay in order.
+            self.last_accept = self.accepts.put(message)
         else:
-            self.last_report = self.reports.put(message)
+            self.last_report = self.reports.put(message, after=self.last_accept)
 
     async def handle(self, message):
         if not self.live:

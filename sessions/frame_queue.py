@@ -2,10 +2,11 @@
 
 A Channels consumer handles one event at a time: while it awaits a frame's database work, the
 passes' frames to its worker (an AssignJob, a StartCluster) wait too. Under a busy fleet that
-work queues for seconds, so a session hands its frames to two FrameQueues instead and goes
-straight back to its events: one for the start path (acceptances, reports, signals), one for
-the bulk (offers, scores, requests for work, the liveness touch), which may wait for the start
-path's frames that arrived before it but never holds them back.
+work queues for seconds, so a session hands its frames to FrameQueues instead and goes
+straight back to its events: one for members' acceptances, one for the reports (single jobs'
+acceptances, completions, failures, signals), one for the bulk (offers, scores, requests for
+work, the liveness touch). A queue may wait for the frames of the one before it that arrived
+earlier, but never holds them back.
 """
 
 import asyncio

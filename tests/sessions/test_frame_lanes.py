@@ -1,6 +1,7 @@
-"""A session's two queues of frames: reports are never held back by the bulk (offers, scores,
-requests for work), the bulk never overtakes an earlier report, a resent RequestJob does not
-pile up, and nothing is handled after the disconnect."""
+"""A session's queues of frames: reports are never held back by the bulk (offers, scores,
+requests for work), nor a member's acceptance by the reports, and no frame overtakes an earlier
+one it may depend on; a resent RequestJob does not pile up, and nothing is handled after the
+disconnect."""
 
 import asyncio
 import threading
@@ -208,14 +209,49 @@ class RowLocks:
         self.conn.close()
 
 
+async def idle_with_a_single_under_way(worker_session):
+    """A worker with two build slots: one runs a single build, the other is idle. Returns the
+    session and the single's AssignJob."""
+    from workers.models import IdleSlot
+
+    worker, session = await worker_session()
+    await q(lambda: BuildFactory())
+    await session.connect()
+    await session.hello(max_concurrent_builds=2)
+    await session.send({"type": "RequestJob", "kind": "build"})
+    single = await session.recv_type("AssignJob")
+    assert single["cluster"] is None
+    await session.send({"type": "RequestJob", "kind": "build"})  # nothing left: an idle slot
+    assert await eventually(lambda: IdleSlot.objects.filter(worker=worker).exists())
+    return session, single
+
+
+async def place_a_member(session):
+    """A cluster of one build member, placed by a pass on the session's idle slot: its held
+    AssignJob."""
+    from clusters.dispatch import run_pass
+    from tests.factories import BuildMemberFactory, ClusterFactory
+
+    def submit():
+        BuildMemberFactory(cluster_job=ClusterFactory(), role="only")
+        return run_pass().claimed
+
+    assert len(await q(submit)) == 1
+    held = await session.recv_type("AssignJob")
+    assert held["cluster"] is not None
+    return held
+
+
+def accept(held) -> dict:
+    return {"type": "AssignJobResponse", "job_id": held["job_id"], "accepted": True}
+
+
 async def test_a_members_acceptance_starts_its_attempt_while_every_report_thread_waits(
     worker_session, settings
 ):
     """A member's AssignJobResponse has threads of its own: its attempt's seats are held until
     it is read, so it must not queue behind other workers' reports (each settling its job)."""
-    from clusters.dispatch import run_pass
     from sessions.threads import REPORT_THREADS
-    from tests.factories import BuildMemberFactory, ClusterFactory
     from workers.models import IdleSlot
 
     settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}  # placed without asking
@@ -232,21 +268,14 @@ async def test_a_members_acceptance_starts_its_attempt_while_every_report_thread
     await member.hello()
     await member.send({"type": "RequestJob", "kind": "build"})  # nothing left: an idle slot
     assert await eventually(lambda: IdleSlot.objects.filter(worker=member_worker).exists())
-
-    def submit():
-        BuildMemberFactory(cluster_job=ClusterFactory(), role="only")
-        return run_pass().claimed
-
-    assert len(await q(submit)) == 1
-    held = await member.recv_type("AssignJob")
-    assert held["cluster"] is not None
+    held = await place_a_member(member)
     locks = await q(lambda: RowLocks([job["job_id"] for job in jobs]))
     try:
         for session, job in zip(reporters, jobs, strict=True):
             done = {"job_id": job["job_id"], "assignment_id": job["assignment_id"]}
             await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
         assert await eventually(lambda: locks.waiters() == REPORT_THREADS)
-        await member.send({"type": "AssignJobResponse", "job_id": held["job_id"], "accepted": True})
+        await member.send(accept(held))
         start = await member.recv_type("StartCluster")
         assert start["attempt"] == held["cluster"]["attempt"]
         assert await q(locks.waiters) == REPORT_THREADS  # the reports still wait
@@ -258,3 +287,52 @@ async def test_a_members_acceptance_starts_its_attempt_while_every_report_thread
         )
     for session in [*reporters, member]:
         await session.close()
+
+
+async def test_a_members_acceptance_does_not_wait_for_its_own_workers_earlier_report(
+    worker_session, settings
+):
+    """A worker completes a single job just before it accepts a member on its other slot: the
+    completion waits for its row, and the acceptance still starts the attempt."""
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}  # placed without asking
+    session, single = await idle_with_a_single_under_way(worker_session)
+    await session.send({"type": "AssignJobResponse", "job_id": single["job_id"], "accepted": True})
+    held = await place_a_member(session)
+    locks = await q(lambda: RowLocks([single["job_id"]]))
+    try:
+        done = {"job_id": single["job_id"], "assignment_id": single["assignment_id"]}
+        await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
+        assert await eventually(lambda: locks.waiters() == 1)
+        await session.send(accept(held))
+        start = await session.recv_type("StartCluster")
+        assert start["attempt"] == held["cluster"]["attempt"]
+        assert await q(locks.waiters) == 1  # the completion still waits
+    finally:
+        await q(locks.release)
+    assert await eventually(
+        lambda: DispatchedJob.objects.get(job_id=single["job_id"]).outcome == "Completed"
+    )
+    await session.close()
+
+
+async def test_a_report_after_a_members_acceptance_waits_for_it(worker_session, settings):
+    """The reports keep their order with the acceptances before them: a completion sent
+    after a member's acceptance is recorded only once the acceptance is."""
+    settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 0}  # placed without asking
+    session, single = await idle_with_a_single_under_way(worker_session)
+    held = await place_a_member(session)
+    locks = await q(lambda: RowLocks([held["job_id"]]))  # the acceptance reads its seat
+    try:
+        await session.send(accept(held))
+        assert await eventually(lambda: locks.waiters() == 1)
+        done = {"job_id": single["job_id"], "assignment_id": single["assignment_id"]}
+        await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
+        await asyncio.sleep(0.3)
+        assert await q(lambda: DispatchedJob.objects.get(job_id=single["job_id"]).outcome) is None
+    finally:
+        await q(locks.release)
+    await session.recv_type("StartCluster")
+    assert await eventually(
+        lambda: DispatchedJob.objects.get(job_id=single["job_id"]).outcome == "Completed"
+    )
+    await session.close()
