@@ -1,4 +1,27 @@
+import os
+
 import pytest
+
+# The unit tests' Redis database: a local bin/run uses database 0, and its sessions' groups are
+# named by worker ids that the test database's workers share. e2e processes use their own.
+UNIT_REDIS_DB = int(os.environ.get("GRADIENT_UNIT_REDIS_DB", "8"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _unit_redis_db():
+    """Wake-ups, Celery's queue, metrics, the Redis channel layer and the processes the tests
+    start go to UNIT_REDIS_DB of the configured server. Set on the live settings: pytest-django
+    loads them before any conftest, and each client is made on first use."""
+    from django.conf import settings
+
+    from gradient.celery import app
+
+    url = settings.REDIS_URL.rsplit("/", 1)[0] + f"/{UNIT_REDIS_DB}"
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = app.conf.broker_url = url
+    for layer in settings.CHANNEL_LAYERS.values():
+        for host in layer.get("CONFIG", {}).get("hosts", ()):
+            host["address"] = url
+    os.environ["REDIS_URL"] = url
 
 
 @pytest.fixture
