@@ -373,6 +373,21 @@ def now_line() -> str:
     return f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
 
 
+def settle(below: float, most_secs: float = 300.0) -> None:
+    """Before a run that is compared with another: a CHECKPOINT, so that the last run's dirty
+    pages are not written during this one, then a wait (at most `most_secs`) until the 1-minute
+    load average is below `below` (0: no wait). Started at once, a run measures the tail of
+    the one before it, and the later sizes of one command would all start loaded."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CHECKPOINT")
+    connection.close()
+    deadline = time.monotonic() + most_secs
+    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+
+
 def load() -> str:
     """The 1-minute load average: the machine is shared, and figures move with it."""
     return f"{os.getloadavg()[0]:.1f}"

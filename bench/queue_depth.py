@@ -260,6 +260,7 @@ def run_one(depth: int, args) -> dict:
     from django.core.management import call_command
 
     common.ensure_database()
+    common.settle(args.settle_load)
     call_command("create_project", PROJECT, stdout=io.StringIO())
     env = common.process_env()
     common.flush_redis(env["REDIS_URL"])
@@ -445,7 +446,8 @@ def method(args, ticks: str) -> list[str]:
         f" command once it is {SHORT_SHARE:.0%} short, reading it every {ticks}.",
         f"Window: {args.window:g} s after the fleet connected (within {args.connect_timeout:g} s,"
         f" or the row says how many did) and {args.warmup:g} s of warm-up, with an `ANALYZE`"
-        " after the queue was filled and twice in the warm-up.",
+        " after the queue was filled and twice in the warm-up. Each depth starts after a"
+        f" `CHECKPOINT`, once the load average is below {args.settle_load:g} (5 minutes at most).",
         "A row: one depth. Builds completed/s: dispatched_job rows that ended Completed in the"
         " window, over its length; the first and last parts of the window (between two"
         " job_score counts) show whether it was steady. Queue held: every read of the queued"
@@ -486,6 +488,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=7, help="job_score counts in the window")
     parser.add_argument(
         "--connect-timeout", type=float, default=120.0, help="seconds to wait for the fleet"
+    )
+    parser.add_argument(
+        "--settle-load",
+        type=float,
+        default=1.5,
+        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
     )
     parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()

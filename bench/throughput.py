@@ -86,6 +86,8 @@ def counting_worker_class(tally: Tally):
     from workers.simulator import SimulatedWorker
 
     class CountingWorker(SimulatedWorker):
+        singles_only = False  # of the singles' project (set by drive), else of the clusters'
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.free_since: dict[str, float] = {}  # kind -> the first RequestJob since free
@@ -126,6 +128,9 @@ def counting_worker_class(tally: Tally):
             sent = await super()._send(message)
             if sent and isinstance(message, JobScores):
                 tally.events["scored_pairs"] += len(message.scores)  # the pairs this worker scored
+                # A worker takes one project's jobs: the singles' or the clusters' members.
+                part = "single" if self.singles_only else "member"
+                tally.events[f"scored_{part}_pairs"] += len(message.scores)
             return sent
 
         def _record(self, event: str, **fields):
@@ -256,6 +261,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     worker_class = counting_worker_class(tally)
     config = WorkerConfig(job_secs=(args.job_min, args.job_max), max_events=10)
     workers = [worker_class(n, t, config, url) for n, t, _ in rows]
+    for worker, (_, _, project) in zip(workers, rows, strict=True):
+        worker.singles_only = project == SINGLES
 
     async def launch(i, w):
         await asyncio.sleep(args.ramp * i / len(workers))
@@ -319,6 +326,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "singles": singles,
         "offered_rate": during.get("offered_pairs", 0) / secs,
         "scored": during.get("scored_pairs", 0),
+        "scored_single": during.get("scored_single_pairs", 0),
+        "scored_member": during.get("scored_member_pairs", 0),
         "idle": tally.median_p90("idle", since, until),
         "held": tally.median_p90("held", since, until),
         "failed": during.get("failed", 0),
@@ -343,6 +352,7 @@ def run_one(count: int, args) -> dict:
     common.flush_redis(env["REDIS_URL"])
     logs = Path(tempfile.mkdtemp(prefix=f"bench-throughput-{count}-"))
     procs = common.Processes(env, logs)
+    common.settle(args.settle_load)
     load_before = common.load()
     try:
         port = common.free_port()
@@ -394,6 +404,7 @@ HEADER = [
     "total starts/s",
     "pairs offered/s",
     "pairs scored per start",
+    "pairs per single start, per member start",
     "CPU ms per start",
     "slot idle s (median / p90)",
     "slot held s (median / p90)",
@@ -458,6 +469,8 @@ def rows(results: list[dict]) -> list[list]:
                 f"{r['member_rate'] + r['single_rate']:.1f}",
                 f"{r['offered_rate']:,.0f}",
                 f"{pairs_per_start(r):.1f}",
+                f"{r['scored_single'] / max(r['singles'], 1):.1f},"
+                f" {r['scored_member'] / max(r['members'], 1):.1f}",
                 f"{1000 * sum(r['cpu'].values()) / r['window'] / max(starts, 1e-9):.0f}",
                 spread_text(r["idle"]),
                 spread_text(r["held"]),
@@ -495,12 +508,15 @@ def method(args) -> list[str]:
         " `submit_cluster` (evaluations and builds; clusters of 2 to 4 members); the smallest"
         " queue it saw in the window is in its column.",
         f"Window: {args.window:g} s after {args.warmup:g} s of warm-up, with an `ANALYZE` at the"
-        " warm-up's start and middle (the database was emptied moments before).",
+        " warm-up's start and middle (the database was emptied moments before). Each size starts"
+        f" after a `CHECKPOINT`, once the load average is below {args.settle_load:g} (5 minutes"
+        " at most; the load at its start is in the table).",
         "A row: one fleet size (and how many were connected at the window's start, if not all)."
         " A member start is a StartCluster received for a held member, a single start an"
         " AssignJob of a single job. Pairs: (worker, job) pairs offered to the workers per"
-        " second, and the score entries of their JobScores in the window over the starts in it."
-        " CPU per start: the whole stack's.",
+        " second, and the score entries of their JobScores in the window over the starts in it;"
+        " split, the singles' workers' entries over single starts and the cluster workers' over"
+        " member starts. CPU per start: the whole stack's.",
         "Slot columns: a member's slot idle from its RequestJob to a member's AssignJob, then"
         " held until every member of its attempt accepted and StartCluster came.",
         "Failures: jobs failed are assignments that ended Failed, prepares failed attempts that"
@@ -608,6 +624,12 @@ def main() -> None:
     )
     parser.add_argument("--job-min", type=float, default=0.5)
     parser.add_argument("--job-max", type=float, default=1.5)
+    parser.add_argument(
+        "--settle-load",
+        type=float,
+        default=1.5,
+        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
+    )
     parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     parser.add_argument("--result-to", type=Path, help=argparse.SUPPRESS)  # one size's, as JSON
     args = parser.parse_args()
