@@ -107,7 +107,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
 # the frames', the reports', and members' acceptances'.
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
 REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=2)
-ACCEPT_THREADS = env.int("GRADIENT_ACCEPT_THREADS", default=4)
+ACCEPT_THREADS = env.int("GRADIENT_ACCEPT_THREADS", default=8)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

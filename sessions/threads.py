@@ -33,8 +33,8 @@ def report_db(fn):
 
 # Acceptances apart from the reports: every member of an attempt stays held until the last
 # one's acceptance is read, while a report delays one slot only. Behind a cluster-heavy
-# fleet's completions (each settles its member), acceptances waited seconds. Twice the
-# reports' threads: an acceptance late holds its whole attempt (docs/design.md).
+# fleet's completions (each settles its member), acceptances waited seconds. Each one mostly
+# waits on PostgreSQL, and with four a fleet of 1,000 fell behind its claims (docs/design.md).
 ACCEPT_THREADS = settings.ACCEPT_THREADS
 accept_pool = ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="accepts")
 
