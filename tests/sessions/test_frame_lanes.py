@@ -8,7 +8,6 @@ import threading
 
 import psycopg
 import pytest
-from asgiref.sync import sync_to_async
 from django.db import connection
 
 from gradient.jobs.models import DispatchedJob
@@ -16,12 +15,9 @@ from gradient.wire.protocol import JobScores, RequestJob
 from sessions.consumer import WorkerConsumer
 from sessions.frame_queue import FrameQueue
 from tests.factories import BuildFactory, EvaluationFactory
+from tests.sessions.session_db import q
 
 pytestmark = pytest.mark.asyncio
-
-
-def q(fn):
-    return sync_to_async(fn)()
 
 
 class TableLock:
