@@ -62,7 +62,8 @@ class Pool:
         self.available = np.ones(self.size, dtype=bool)
         # Inverted indexes, one pass each, so a new profile costs a few mask operations.
         self._by_kind = {kind: self._where(w for w in workers if _takes(w, kind)) for kind in KINDS}
-        self._by_name = _inverted(self.workers, lambda w: (w.name,))
+        # A name is one worker's: its column, not a mask of the whole pool per worker.
+        self._by_name = {w.name: column for column, w in enumerate(self.workers)}
         self._by_arch = _inverted(self.workers, lambda w: w.architectures)
         self._by_feature = _inverted(self.workers, lambda w: w.features)
         self._by_project = _inverted(self.workers, lambda w: w.projects or ())
@@ -125,7 +126,10 @@ class Pool:
     def _profile_mask(self, member: Member) -> np.ndarray:
         mask = self._by_kind.get(member.kind, self._where(())).copy()
         if member.pin is not None:
-            mask &= self._by_name.get(member.pin, False)
+            pinned = np.zeros(self.size, dtype=bool)
+            if member.pin in self._by_name:
+                pinned[self._by_name[member.pin]] = True
+            mask &= pinned
         mask &= self._by_arch.get(member.architecture, False)
         for feature in member.features:
             mask &= self._by_feature.get(feature, False)
