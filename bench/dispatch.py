@@ -262,6 +262,22 @@ def time_pass() -> dict:
     }
 
 
+def time_target() -> float:
+    """A reservation's target for the book's first cluster, as an overdue one gets it: over
+    every connected worker, busy or idle."""
+    from django.utils import timezone
+
+    from clusters.reservation import first_target
+    from clusters.tracking import startable_clusters
+
+    now = timezone.now()
+    book = startable_clusters(now)
+    began = time.perf_counter()
+    if first_target(book[:1], now) is None:
+        raise RuntimeError("the bench's first cluster has no reservation target")
+    return time.perf_counter() - began
+
+
 def bench_pass(grid: list[tuple[int, int]], repeat: int) -> list[dict]:
     from channels.layers import channel_layers
     from django.conf import settings
@@ -287,11 +303,13 @@ def bench_pass(grid: list[tuple[int, int]], repeat: int) -> list[dict]:
         runs = []
         for i in range(repeat + 1):  # the first pass warms caches and is not counted
             reset_for_pass()
-            run = time_pass()
+            target = time_target()
+            run = {**time_pass(), "target": target}
             print(
                 f"  pass {i}: {run['total']:.3f} s, {run['claimed']}/{run['ready']} claimed"
                 + "".join(
-                    f", {k} {run[k]:.3f}" for k in ("book", "snapshot", "plan", "claims", "wait")
+                    f", {k} {run[k]:.3f}"
+                    for k in ("book", "snapshot", "plan", "claims", "wait", "target")
                 ),
                 flush=True,
             )
@@ -326,6 +344,7 @@ PASS_HEADER = [
     "claims + sends (overlapping)",
     "wait",
     "other",
+    "reservation target s",
 ]
 
 
@@ -340,6 +359,7 @@ def pass_row(r: dict) -> list:
         f"{r['max']:.3f}",
         *(f"{m[k]:.3f}" for k in ("book", "snapshot", "plan", "claims", "wait")),
         f"{m['other'] + m['expire']:.3f}",
+        f"{m['target']:.3f}",
     ]
 
 
@@ -382,6 +402,9 @@ def pass_method(repeat: int) -> list[str]:
         " `wait` (from the last placement to the last claim); other (the advisory lock,"
         " `expire_overdue_prepares`, the reservation pass). The pass is the sum of all but"
         " `claims`.",
+        "Reservation target: apart from the pass, before it, `first_target` for the book's"
+        " first cluster (clusters.reservation), as a pass computes it for an overdue cluster"
+        " when no reservation is active: the planner's match over every connected worker.",
         "Where the time goes: the reader takes the 129 cheapest scores of each member job from"
         " `idx-job_score-job-size` alone (about half a million index entries at 1,000 x 5,000);"
         " nine clusters in ten are seated without the solver; each batch of 128 placements is"

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import batched
-from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection
@@ -30,6 +29,7 @@ from clusters.scores import CheapestScores, all_scores, own_connection
 from clusters.tracking import (
     MemberRow,
     StartableCluster,
+    fleet,
     note_waiting,
     planned_cluster,
     planned_worker,
@@ -42,7 +42,6 @@ from gradient.logs import ids
 from gradient.wire.groups import send_frames
 from gradient.wire.protocol import ClusterHold
 from workers.assignment import assign_job
-from workers.health import quarantined_sql
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +61,6 @@ class PassResult:
     reservation: str | None = None
 
 
-# The connected workers with a live idle slot, with what the planner asks of them.
-IDLE_WORKERS_SQL = """
-SELECT w.id, w.name, w.zone, w.architectures, w.system_features, w.all_projects,
-       w.can_eval, w.can_build, array_agg(s.kind), {quarantined}
-FROM idle_slot s
-JOIN worker w ON w.id = s.worker_id
-WHERE s.recorded_at >= %(fresh)s
-  AND w.channel_name IS NOT NULL AND NOT w.draining AND w.revoked_at IS NULL
-  AND w.id <> ALL(%(reserved)s::bigint[])
-GROUP BY w.id
-ORDER BY w.id
-""".format(quarantined=quarantined_sql("w"))
-
 # The workers that did not accept in any of each cluster's failed prepares since its last
 # attempt that started (planner.Cluster.avoid). Not the last prepare's alone: with two workers
 # that never answer, the cluster went back and forth between them, one timeout after another.
@@ -90,21 +76,6 @@ GROUP BY a.cluster_job_id
 """
 
 
-class _IdleWorker(NamedTuple):
-    """A row of IDLE_WORKERS_SQL, with the names planned_worker reads."""
-
-    pk: int
-    name: str
-    zone: str | None
-    architectures: list[str]
-    system_features: list[str]
-    all_projects: bool
-    can_eval: bool
-    can_build: bool
-    kinds: list[str]
-    quarantined: bool
-
-
 def snapshot(
     clusters: list[StartableCluster], now, reserved=(), *, stream: bool = False
 ) -> planner.Snapshot:
@@ -112,24 +83,11 @@ def snapshot(
     with a live idle slot (but for the `reserved` ones), and each member job's cheapest
     scores, with a loader for the rest (all_scores). With `stream`, the scores are
     still being read on their own thread when this returns (CheapestScores.finish waits)."""
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     keys = [m.key for c in clusters for m in c.members]
-    access: dict[int, set[int]] = {}
-    with connection.cursor() as cursor:
-        cursor.execute(
-            IDLE_WORKERS_SQL, {"fresh": now - ttl, "reserved": list(reserved), "now": now}
-        )
-        idle = [_IdleWorker._make(row) for row in cursor.fetchall()]
-        limited = [w.pk for w in idle if not w.all_projects]
-        if limited:
-            cursor.execute(
-                "SELECT worker_id, project_id FROM worker_projects WHERE worker_id = ANY(%s)",
-                [limited],
-            )
-            for worker_id, project_id in cursor.fetchall():
-                access.setdefault(worker_id, set()).add(project_id)
-        avoid: dict[int, frozenset[int]] = {}
-        if idle and clusters:
+    idle, access = fleet(now, idle_only=True, reserved=reserved)
+    avoid: dict[int, frozenset[int]] = {}
+    if idle and clusters:
+        with connection.cursor() as cursor:
             cursor.execute(
                 UNRESPONSIVE_SQL,
                 {
@@ -149,7 +107,7 @@ def snapshot(
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
         workers=tuple(
-            planned_worker(w, w.kinds, frozenset(access.get(w.pk, ())), quarantined=w.quarantined)
+            planned_worker(w, w.kinds, access.get(w.pk, frozenset()), quarantined=w.quarantined)
             for w in idle
         ),
         score_arrays=scores,
@@ -303,10 +261,9 @@ def age_reservations(ready, claimed: set[int], rows: dict, since, now) -> str | 
             reservation.release(active.pk, "committed")
             return "committed"
         return "holding"
-    for cluster in reservation.due(ready, claimed, now):
-        target = reservation.target(cluster, now)
-        if target is not None and reservation.reserve(target) is not None:
-            return "reserved"
+    target = reservation.first_target(reservation.due(ready, claimed, now), now)
+    if target is not None and reservation.reserve(target) is not None:
+        return "reserved"
     return None
 
 

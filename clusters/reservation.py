@@ -11,8 +11,10 @@ reserve again.
 """
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 
+import numpy as np
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
@@ -20,9 +22,9 @@ from django.utils import timezone
 
 from clusters import planner
 from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
-from clusters.tracking import StartableCluster, planned_cluster, planned_worker
+from clusters.tracking import StartableCluster, fleet, planned_cluster, planned_worker
 from gradient.logs import ids
-from workers.health import is_quarantined, quarantined_q
+from workers.health import quarantined_q
 from workers.models import IdleSlot, JobScore, Worker
 
 log = logging.getLogger(__name__)
@@ -93,44 +95,80 @@ def release_stale(now) -> str | None:
     return reason
 
 
-def target(cluster: StartableCluster, now) -> planner.Placement | None:
-    """The planner's match over every connected eligible worker, idle workers seated first:
-    a busy worker counts as the dearest seat, an idle one costs at most its known size."""
-    workers = list(
-        Worker.objects.filter(
-            channel_name__isnull=False, revoked_at__isnull=True, draining=False
-        ).prefetch_related("projects")
-    )
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
-    idle = set(IdleSlot.objects.filter(recorded_at__gte=now - ttl).values_list("worker_id", "kind"))
-    keys = [m.key for m in cluster.members]
-    known: dict[str, dict[int, int]] = {}
-    for worker_id, job_id, size in JobScore.objects.filter(
-        job_id__in=keys, missing_nar_size__isnull=False
-    ).values_list("worker_id", "job_id", "missing_nar_size"):
-        known.setdefault(job_id, {})[worker_id] = size
-    top = max((s for sizes in known.values() for s in sizes.values()), default=0)
-    scores: dict[str, dict[int, int]] = {}
-    for member in cluster.members:
-        for w in workers:
-            if (w.pk, member.kind) in idle:
-                scores.setdefault(member.key, {})[w.pk] = known.get(member.key, {}).get(w.pk, top)
-    snapshot = planner.Snapshot(
-        clusters=(planned_cluster(cluster),),
+def first_target(clusters: list[StartableCluster], now) -> planner.Placement | None:
+    """The target of the first of these clusters that has one: the planner's match over every
+    connected eligible worker, idle workers seated first (a busy worker costs as the dearest
+    seat, an idle one at most its known size). One read of the fleet and one walk of the
+    planner for them all, a cluster's scores read only once the planner needs them: a pass
+    with many overdue clusters that no fleet could seat costs one target, not one each."""
+    if not clusters:
+        return None
+    rows, access = fleet(now, idle_only=False)
+    workers = tuple(
         # Busy or not, every kind it can take counts as a seat: a reservation waits for it.
-        workers=tuple(
-            planned_worker(
-                w,
-                (k for k, can in (("eval", w.can_eval), ("build", w.can_build)) if can),
-                frozenset(p.pk for p in w.projects.all()),
-                quarantined=is_quarantined(w, now),
-            )
-            for w in workers
-        ),
-        score_arrays=planner.score_arrays(scores),
+        planned_worker(
+            w,
+            (kind for kind, can in (("eval", w.can_eval), ("build", w.can_build)) if can),
+            access.get(w.pk, frozenset()),
+            quarantined=w.quarantined,
+        )
+        for w in rows
     )
-    placements = planner.plan(snapshot)
-    return placements[0] if placements else None
+    snapshot = planner.Snapshot(
+        clusters=tuple(planned_cluster(c) for c in clusters),
+        workers=workers,
+        score_arrays=_TargetScores(clusters, rows),
+    )
+    return next(planner.placements(snapshot), None)
+
+
+class _TargetScores(Mapping):
+    """The planner's scores for targets (job key -> arrays), a cluster's read when the planner
+    first asks for one of its members: an idle seat of the member's kind costs its known size,
+    or the cluster's dearest known size where it has none; a busy seat has no score, the
+    dearest of all."""
+
+    def __init__(self, clusters: list[StartableCluster], rows):
+        self._cluster_of = {m.key: c for c in clusters for m in c.members}
+        self._idle = {
+            kind: np.array([w.pk for w in rows if kind in w.kinds], dtype=np.int64)
+            for kind in planner.KINDS
+        }
+        self._arrays: dict[str, planner.ScoreArrays] = {}
+
+    def __getitem__(self, key: str) -> planner.ScoreArrays:
+        if key not in self._arrays:
+            self._arrays.update(self._read(self._cluster_of[key]))
+        return self._arrays[key]
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def _read(self, cluster: StartableCluster) -> dict[str, planner.ScoreArrays]:
+        keys = [m.key for m in cluster.members]
+        known: dict[str, dict[int, int]] = {key: {} for key in keys}
+        for worker_id, job_id, size in JobScore.objects.filter(
+            job_id__in=keys, missing_nar_size__isnull=False
+        ).values_list("worker_id", "job_id", "missing_nar_size"):
+            known[job_id][worker_id] = size
+        top = max((s for sizes in known.values() for s in sizes.values()), default=0)
+        arrays = {}
+        for member in cluster.members:
+            ids = self._idle.get(member.kind, np.zeros(0, dtype=np.int64))
+            sizes = np.full(ids.size, top, dtype=np.int64)
+            of_member = known[member.key]
+            if of_member:
+                scored = np.fromiter(of_member, np.int64, len(of_member))
+                at = np.searchsorted(ids, scored)
+                hit = at < ids.size
+                hit[hit] = ids[at[hit]] == scored[hit]
+                sizes[at[hit]] = np.fromiter(of_member.values(), np.int64, len(of_member))[hit]
+            order = np.lexsort((ids, sizes))  # by size, then worker id
+            arrays[member.key] = (ids[order], sizes[order])
+        return arrays
 
 
 def reserve(placement: planner.Placement) -> ClusterReservation | None:

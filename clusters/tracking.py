@@ -93,6 +93,58 @@ def planned_worker(
     )
 
 
+class WorkerRow(NamedTuple):
+    """A connected worker as FLEET_SQL reads it, with the names planned_worker reads."""
+
+    pk: int
+    name: str
+    zone: str | None
+    architectures: list[str]
+    system_features: list[str]
+    all_projects: bool
+    can_eval: bool
+    can_build: bool
+    kinds: list[str]  # its live idle slots' kinds, none for a busy worker
+    quarantined: bool
+
+
+# The connected workers that may be seated (but for the `reserved` ones), each with the kinds
+# of its live idle slots: those with one at least ({join} JOIN), as the dispatch pass plans
+# over, or every one (LEFT JOIN), as a reservation's target is planned over.
+FLEET_SQL = """
+SELECT w.id, w.name, w.zone, w.architectures, w.system_features, w.all_projects,
+       w.can_eval, w.can_build,
+       coalesce(array_agg(s.kind) FILTER (WHERE s.kind IS NOT NULL), '{{}}'), {quarantined}
+FROM worker w
+{join} JOIN idle_slot s ON s.worker_id = w.id AND s.recorded_at >= %(fresh)s
+WHERE w.channel_name IS NOT NULL AND NOT w.draining AND w.revoked_at IS NULL
+  AND w.id <> ALL(%(reserved)s::bigint[])
+GROUP BY w.id
+ORDER BY w.id
+"""
+
+
+def fleet(now, *, idle_only: bool, reserved=()) -> tuple[list[WorkerRow], dict[int, frozenset]]:
+    """FLEET_SQL's rows, and the projects of each worker limited to some: plain rows in two
+    statements, whatever the fleet's size (not a model instance per worker)."""
+    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    sql = FLEET_SQL.format(join="" if idle_only else "LEFT", quarantined=quarantined_sql("w"))
+    access: dict[int, set[int]] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {"fresh": now - ttl, "reserved": int_array(reserved), "now": now})
+        rows = [WorkerRow._make(row) for row in cursor.fetchall()]
+        limited = [w.pk for w in rows if not w.all_projects]
+        if limited:
+            cursor.execute(
+                "SELECT worker_id, project_id FROM worker_projects"
+                " WHERE worker_id = ANY(%s::bigint[])",
+                [int_array(limited)],
+            )
+            for worker_id, project_id in cursor.fetchall():
+                access.setdefault(worker_id, set()).add(project_id)
+    return rows, {pk: frozenset(projects) for pk, projects in access.items()}
+
+
 # The same numbering in SQL, over cluster_member's rows of one cluster.
 ROLE_INDEX_SQL = "row_number() OVER (PARTITION BY role ORDER BY id) - 1"
 

@@ -5,12 +5,13 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from clusters.abort import abort_cluster
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
-from clusters.reservation import active_reservation, reserve, target
+from clusters.reservation import active_reservation, first_target, reserve
 from clusters.tracking import note_waiting, startable_clusters
 from gradient.jobs.models import DerivationBuild
 from tests.clusterflow import Inbox, idle_workers
@@ -110,6 +111,27 @@ def test_an_old_cluster_reserves_idle_workers_first():
     assert not ClusterAttempt.objects.exists()  # not every seat is idle yet
 
 
+def test_overdue_clusters_no_fleet_can_seat_cost_the_pass_one_read_of_the_fleet():
+    # The older clusters need a feature no worker has: none of them has a target, and the
+    # younger one reserves. Targets were computed one cluster at a time, each reading every
+    # connected worker: a deep queue of such clusters cost one read of the fleet each.
+    for _ in range(4):
+        unseatable = cluster_aged(300)
+        DerivationBuild.objects.filter(
+            pk__in=unseatable.members.values("derivation_build_id")
+        ).update(required_features=["gpu"])
+    seatable = cluster_aged(120)
+    busy_workers(2)
+    with CaptureQueriesContext(connection) as queries:
+        assert run_pass().reservation == "reserved"
+    assert active_reservation().cluster_job_id == seatable.pk
+    sql = [q["sql"] for q in queries]
+    # The idle workers the pass plans over, then the fleet the targets are planned over.
+    assert sum('FROM "worker"' in q or "FROM worker w" in q for q in sql) == 2
+    # Scores are read for the cluster placed alone: the others lack a seat before that.
+    assert sum('FROM "job_score"' in q for q in sql) == 1
+
+
 def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
     cluster = cluster_aged(120)
     busy_workers(2)
@@ -130,7 +152,7 @@ def test_only_one_cluster_holds_a_reservation():
     assert run_pass().reservation == "reserved"  # the first only, though both are overdue
     assert active_reservation().cluster_job_id == first.pk
     [book_second] = [c for c in startable_clusters() if c.id == second.pk]
-    placement = target(book_second, timezone.now())
+    placement = first_target([book_second], timezone.now())
     assert placement is not None
     assert reserve(placement) is None  # refused: the first holds one
     assert ClusterReservation.objects.count() == 1
