@@ -1,9 +1,18 @@
 import os
 
 from celery import Celery
+from celery.signals import task_prerun
+from django.db import close_old_connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
 
 app = Celery("gradient")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@task_prerun.connect
+def drop_old_connections(**_):
+    # What Django does around a request: a connection that broke or outlived CONN_MAX_AGE is
+    # dropped, any other kept for the task (CELERY_DB_REUSE_MAX keeps Celery from closing it).
+    close_old_connections()

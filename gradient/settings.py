@@ -168,6 +168,11 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_TRANSPORT = "gradient.broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery's Django fixup closes the database connection before and after every task unless this
+# is set; then it closes it every this many tasks instead. A new connection per task cost each
+# dispatch pass a PostgreSQL backend and its statements planned afresh (docs/design.md). Between
+# tasks a connection is dropped when it broke or outlived CONN_MAX_AGE (gradient/celery.py).
+CELERY_DB_REUSE_MAX = 1000
 
 # The spec's durations (shared protocol.md, "Settings").
 GRADIENT = {
