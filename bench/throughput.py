@@ -19,7 +19,11 @@ a single start an AssignJob of a single job (the worker runs it at once), a scor
 entry of a JobScores the worker sent. Rates are over the steady window that follows the
 warm-up. Failures: the workers' JobFailed and refusals, the assignments that ended Failed or
 Abandoned and the attempts that ended PrepareFailed (from the database), Error frames the
-workers got, and consumers or tasks that crashed (daphne's and Celery's logs).
+workers got, and consumers or tasks that crashed (daphne's and Celery's logs). A member's
+hops, for those whose AssignJob came in the window: its claim (dispatched_job.dispatched_at)
+to its AssignJob's arrival, that to the acceptance sent, and that to its record (accepted_at),
+with the wall clock of this machine, which the database shares; and how late the fleet's loop
+wakes, since that delays each hop's frame.
 
 It uses its own database (--database, default gradient_throughput; created and migrated when
 missing, emptied before each fleet size) and Redis database 11.
@@ -70,19 +74,21 @@ class Tally:
         # follows the slot's release to the member's AssignJob, and from that AssignJob to the
         # StartCluster.
         self.waits: dict[str, list[tuple[float, float]]] = {"idle": [], "held": []}
+        # A member's hops on the wall clock (the database's too): its assignment id -> when
+        # its AssignJob came and when its acceptance went. And the fleet's loop lag, (when,
+        # seconds late), since a lagging loop delays both.
+        self.hops: dict[str, list[float | None]] = {}
+        self.lag: list[tuple[float, float]] = []
 
     def between(self, kind: str, since: float, until: float) -> int:
         return sum(since <= t < until for t in self.starts[kind])
 
     def median_p90(self, what: str, since: float, until: float) -> tuple[float, float] | None:
-        secs = sorted(v for t, v in self.waits[what] if since <= t < until)
-        if not secs:
-            return None
-        return statistics.median(secs), secs[min(len(secs) - 1, int(len(secs) * 0.9))]
+        return spread([v for t, v in self.waits[what] if since <= t < until])
 
 
 def counting_worker_class(tally: Tally):
-    from gradient.wire.protocol import JobScores
+    from gradient.wire.protocol import AssignJobResponse, JobScores
     from workers.simulator import SimulatedWorker
 
     class CountingWorker(SimulatedWorker):
@@ -108,6 +114,7 @@ def counting_worker_class(tally: Tally):
             since = self.free_since.pop(assign.job.kind, None)
             if assign.cluster is not None:
                 self.assigned_at[assign.job_id] = now
+                tally.hops[assign.assignment_id] = [time.time(), None]
                 if since is not None:
                     tally.waits["idle"].append((now, now - since))
             await super()._on_assign(assign)
@@ -126,6 +133,10 @@ def counting_worker_class(tally: Tally):
 
         async def _send(self, message):
             sent = await super()._send(message)
+            if sent and isinstance(message, AssignJobResponse) and message.accepted:
+                job = self.jobs.get(message.job_id)
+                if job is not None and job.assignment_id in tally.hops:
+                    tally.hops[job.assignment_id][1] = time.time()
             if sent and isinstance(message, JobScores):
                 tally.events["scored_pairs"] += len(message.scores)  # the pairs this worker scored
                 # A worker takes one project's jobs: the singles' or the clusters' members.
@@ -141,6 +152,45 @@ def counting_worker_class(tally: Tally):
                 self.errors.append(fields)
 
     return CountingWorker
+
+
+def spread(secs: list[float]) -> tuple[float, float] | None:
+    """(median, p90) of these seconds, None for none."""
+    secs = sorted(secs)
+    if not secs:
+        return None
+    return statistics.median(secs), secs[min(len(secs) - 1, int(len(secs) * 0.9))]
+
+
+async def watch_lag(tally: Tally, tick: float = 0.1) -> None:
+    """How late the fleet's loop wakes from a sleep of `tick`: what delays every frame it
+    reads or writes."""
+    while True:
+        began = time.monotonic()
+        await asyncio.sleep(tick)
+        now = time.monotonic()
+        tally.lag.append((now, now - began - tick))
+
+
+def member_hops(hops: dict, since: float, until: float) -> dict:
+    """Where a member's time goes between its claim and its acceptance's record, for the
+    members whose AssignJob came in the window (wall clock): claim to AssignJob (the pass's
+    commit, the channel layer, daphne, the socket, the fleet's loop), AssignJob to the answer
+    (the fleet), the answer to the record (the socket, daphne, its acceptance threads)."""
+    from gradient.jobs.models import DispatchedJob
+
+    seen = {a: t for a, t in hops.items() if since <= t[0] < until and t[1] is not None}
+    rows = DispatchedJob.objects.filter(pk__in=list(seen)).values_list(
+        "id", "dispatched_at", "accepted_at"
+    )
+    parts = {"claim_to_assign": [], "assign_to_answer": [], "answer_to_record": []}
+    for pk, dispatched, accepted in rows:
+        received, answered = seen[str(pk)]
+        parts["claim_to_assign"].append(received - dispatched.timestamp())
+        parts["assign_to_answer"].append(answered - received)
+        if accepted is not None:
+            parts["answer_to_record"].append(accepted.timestamp() - answered)
+    return {name: spread(secs) for name, secs in parts.items()}
 
 
 def make_workers(count: int, single_share: float) -> list[tuple[str, str, str]]:
@@ -271,6 +321,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     # The fleet's process shares the cores with the stack: its collector set as the stack's.
     heap.settle()
     tasks = [asyncio.create_task(launch(i, w)) for i, w in enumerate(workers)]
+    lag = asyncio.create_task(watch_lag(tally))
     feeding = threading.Thread(target=feeder.run, name="feeder")
     feeding.start()
     try:
@@ -292,16 +343,20 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
         await asyncio.to_thread(closing(meter.start))
-        since = time.monotonic()
+        since, since_wall = time.monotonic(), time.time()
         before = dict(tally.events)
         await asyncio.sleep(args.window)
-        until = time.monotonic()
+        until, until_wall = time.monotonic(), time.time()
         cpu = await asyncio.to_thread(closing(meter.stop))
         feeder.measuring = False
         # Before the fleet stops: its disconnects abandon whatever the workers hold.
         ended = await asyncio.to_thread(outcomes)
+        hops = await asyncio.to_thread(
+            closing(lambda: member_hops(tally.hops, since_wall, until_wall))
+        )
         during = {k: tally.events[k] - before.get(k, 0) for k in tally.events}
     finally:
+        lag.cancel()
         feeder.stop.set()
         await asyncio.to_thread(feeding.join)
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
@@ -330,6 +385,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "scored_member": during.get("scored_member_pairs", 0),
         "idle": tally.median_p90("idle", since, until),
         "held": tally.median_p90("held", since, until),
+        "hops": hops,
+        "lag": spread([v for t, v in tally.lag if since <= t < until]),
         "failed": during.get("failed", 0),
         "rejected": during.get("rejected", 0),
         "released": during.get("released_hold", 0),
@@ -386,11 +443,19 @@ def run_one(count: int, args) -> dict:
     )
     for line in crashed[:5]:
         print("  " + line, flush=True)
+    print(f"  {hops_text(result)}", flush=True)
     return result
 
 
-def spread_text(pair) -> str:
-    return "-" if pair is None else f"{pair[0]:.1f} / {pair[1]:.1f}"
+def hops_text(r: dict) -> str:
+    hops = ", ".join(f"{k.replace('_', ' ')} {spread_text(v, 2)}" for k, v in r["hops"].items())
+    return (
+        f"a member's hops, median / p90 s: {hops}; the fleet's loop late {spread_text(r['lag'], 3)}"
+    )
+
+
+def spread_text(pair, digits: int = 1) -> str:
+    return "-" if pair is None else f"{pair[0]:.{digits}f} / {pair[1]:.{digits}f}"
 
 
 def cpu_text(cpu: dict) -> str:
@@ -587,6 +652,10 @@ def observed(results: list[dict]) -> list[str]:
         f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
         f" {tracebacks}.",
         passes_line(results),
+        "Where a member waits between its claim and its acceptance's record (the window's"
+        " members; wall clock, the database's and the fleet's): "
+        + "; ".join(f"{r['workers']:,} workers: {hops_text(r)}" for r in results)
+        + ".",
     ]
 
 

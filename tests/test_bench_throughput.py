@@ -1,6 +1,13 @@
-"""bench/throughput.py's reading of Celery's log: the dispatch passes that saw a ready cluster."""
+"""bench/throughput.py's readings: the dispatch passes that saw a ready cluster (Celery's log),
+and a member's hops between its claim and its acceptance's record (dispatched_job)."""
 
-from bench.throughput import dispatch_passes, passes_line
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from bench.throughput import dispatch_passes, member_hops, passes_line
+from tests.admin_rows import dispatched
+from tests.factories import WorkerFactory
 
 LOG = """\
 [2026-12-03 06:27:49,957: INFO/ForkPoolWorker-1] Task clusters.dispatch[f0] succeeded in 2.6s: \
@@ -27,4 +34,28 @@ def test_the_passes_that_saw_a_ready_cluster_are_counted_and_the_empty_ones_apar
     assert line == (
         "Dispatch passes that saw a ready cluster (whole run): 100 workers: none; 1,000"
         " workers: 3, median 1.50 s, 1 placing nothing, a median of 509 clusters ready."
+    )
+
+
+@pytest.mark.django_db
+def test_a_members_hops_join_the_fleets_clock_to_its_rows_in_the_window():
+    claimed = datetime(2026, 12, 4, 10, 0, 0, tzinfo=UTC)
+    row = dispatched(WorkerFactory())
+    row.dispatched_at, row.accepted_at = claimed, claimed + timedelta(seconds=2.5)
+    row.finished_at = claimed + timedelta(seconds=9)  # a second open row would share its key
+    row.save()
+    late = dispatched(WorkerFactory())  # its AssignJob came after the window
+    t = claimed.timestamp()
+    hops = {
+        str(row.pk): [t + 0.5, t + 0.75],  # AssignJob at +0.5 s, accepted at +0.75 s
+        str(late.pk): [t + 60, t + 61],
+        "never-answered": [t + 1, None],
+    }
+    assert member_hops(hops, since=t, until=t + 30) == {
+        "claim_to_assign": (0.5, 0.5),
+        "assign_to_answer": (0.25, 0.25),
+        "answer_to_record": (1.75, 1.75),
+    }
+    assert member_hops(hops, since=t + 100, until=t + 130) == dict.fromkeys(
+        ("claim_to_assign", "assign_to_answer", "answer_to_record")
     )
