@@ -443,15 +443,13 @@ def run_one(count: int, args) -> dict:
     )
     for line in crashed[:5]:
         print("  " + line, flush=True)
-    print(f"  {hops_text(result)}", flush=True)
+    print(f"  a member's hops, median / p90 s: {hops_text(result)}", flush=True)
     return result
 
 
 def hops_text(r: dict) -> str:
     hops = ", ".join(f"{k.replace('_', ' ')} {spread_text(v, 2)}" for k, v in r["hops"].items())
-    return (
-        f"a member's hops, median / p90 s: {hops}; the fleet's loop late {spread_text(r['lag'], 3)}"
-    )
+    return f"{hops}; the fleet's loop late {spread_text(r['lag'], 3)}"
 
 
 def spread_text(pair, digits: int = 1) -> str:
@@ -656,7 +654,7 @@ def observed(results: list[dict]) -> list[str]:
         f" {tracebacks}.",
         passes_line(results),
         "Where a member waits between its claim and its acceptance's record (the window's"
-        " members; wall clock, the database's and the fleet's): "
+        " members, median / p90 s; wall clock, the database's and the fleet's): "
         + "; ".join(f"{r['workers']:,} workers: {hops_text(r)}" for r in results)
         + ".",
     ]
