@@ -13,10 +13,10 @@ each pair is offered once per connection whichever process offers it.
   cluster costs does not grow with the idle fleet.
 - A cluster asked before is asked again only when its placement would seat a member on a
   worker that never scored it (the seats that scored it are taken, and the others came free
-  since, past their own heads), in rounds: a round holds it the score
-  wait at most from its start (cluster_job.offered_at), and the next may begin a score wait
-  after the last ended, so that a cluster is always placed in time however often seats come
-  free.
+  since, past their own heads), and of those seats alone, in rounds: a round holds it the
+  score wait at most from its start (cluster_job.offered_at), and the next may begin a score
+  wait after the last ended, so that a cluster is always placed in time however often seats
+  come free.
 """
 
 import json
@@ -132,8 +132,10 @@ class Asking:
         if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
             return True  # asked before and every seat chosen has its score: no blind seat
         may_ask = open_round or began is None or self.now - began >= 2 * score_wait()
+        # Asked before: only the seats its placement would use unscored are asked (a window of
+        # candidates again was a quarter of the pairs scored, for no better placement).
         asked = cluster.id in self.asked or (
-            may_ask and self._fits(cluster) and self._ask(cluster, placement)
+            may_ask and self._fits(cluster) and self._ask(cluster, placement, began is not None)
         )
         began = self.began[cluster.id]
         pending = any(m.key in self.unanswered for m in cluster.members)
@@ -144,10 +146,13 @@ class Asking:
             return False
         return True
 
-    def _ask(self, cluster: StartableCluster, placement: planner.Placement | None) -> bool:
-        """Offer the cluster to its idle seats that never scored it, and begin a round of
-        asking unless one is open; whether any seat was asked."""
-        if not self._offer([(cluster, placement)]):
+    def _ask(
+        self, cluster: StartableCluster, placement: planner.Placement | None, blind: bool
+    ) -> bool:
+        """Offer the cluster to its idle seats that never scored it (`blind`: its placement's
+        unscored seats alone), and begin a round of asking unless one is open; whether any
+        seat was asked."""
+        if not self._offer([(cluster, placement)], blind=blind):
             return False
         self._asked(cluster)
         return True
@@ -223,7 +228,7 @@ class Asking:
             )
             return {key for (key,) in cursor.fetchall()}
 
-    def _offer(self, asks: list, while_room: bool = False) -> list:
+    def _offer(self, asks: list, while_room: bool = False, blind: bool = False) -> list:
         """Offer each member of these clusters (with their placements, or None) to up to a
         window of idle workers that could seat it and were never offered it: first its
         placement's seats without a score, then its candidates (Seating.candidates). One
@@ -238,7 +243,7 @@ class Asking:
             if cluster.id in self.tried:
                 continue
             before = len(workers)
-            self._candidates(cluster, placement, workers, keys, turns)
+            self._candidates(cluster, placement, workers, keys, turns, blind)
             if len(workers) == before:
                 continue
             self.tried.add(cluster.id)
@@ -268,7 +273,9 @@ class Asking:
             asked.update((cluster_of[key].id, cluster_of[key]) for key in offered)
         return list(asked.values())
 
-    def _candidates(self, cluster, placement, workers: list, keys: list, turns: list) -> None:
+    def _candidates(
+        self, cluster, placement, workers: list, keys: list, turns: list, blind: bool = False
+    ) -> None:
         """Each member's candidate seats, in the order they are to be asked, appended."""
         unscored = defaultdict(list)
         for seat in placement.seats if placement is not None else ():
@@ -276,9 +283,11 @@ class Asking:
                 unscored[seat.member.key].append(seat.worker)
         for member in cluster.members:
             start = zlib.crc32(member.key.encode())
-            candidates = unscored[member.key] + self.seating.candidates(
-                member.planned(), start, CANDIDATES * window()
-            )
+            candidates = list(unscored[member.key])
+            if not blind:
+                candidates += self.seating.candidates(
+                    member.planned(), start, CANDIDATES * window()
+                )
             for turn, worker in enumerate(dict.fromkeys(candidates)):
                 workers.append(worker.id)
                 keys.append(member.key)

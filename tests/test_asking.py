@@ -157,6 +157,7 @@ def test_a_cluster_is_asked_again_of_seats_that_came_free_since_in_rounds(settin
     run_pass()
     answer(first, cluster, 10)
     round_began = ClusterJob.objects.get(pk=cluster.pk).offered_at
+    IdleSlot.objects.filter(worker=first).delete()  # the seat that scored it went busy
     late = idle_workers(1, kinds=("build",))[0]
 
     def asked_late():
@@ -170,6 +171,20 @@ def test_a_cluster_is_asked_again_of_seats_that_came_free_since_in_rounds(settin
     Worker.objects.filter(pk=late.pk).update(channel_name="live")
     result = run_pass()
     assert result.claimed == [cluster.pk] and not asked_late()
+
+
+def test_a_seat_that_came_free_is_not_asked_when_the_placement_is_scored_without_it():
+    """Asking again costs a statement on the pass's path and a pair per seat: only the seats
+    a placement would use unscored are asked, not every seat that came free since."""
+    first = idle_workers(1, kinds=("build",))[0]
+    cluster = cluster_of_builds(1)
+    run_pass()
+    answer(first, cluster, 10)
+    late = idle_workers(1, kinds=("build",))[0]
+    # In the round still: its placement has every seat scored, so it is claimed at once.
+    assert run_pass().claimed == [cluster.pk]
+    assert DispatchedJob.objects.get().worker_id == first.pk
+    assert not JobScore.objects.filter(worker=late, job_id__in=keys(cluster)).exists()
 
 
 def past_its_round(cluster):
