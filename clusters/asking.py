@@ -132,8 +132,8 @@ class Asking:
         if began is not None and not open_round and placement.cost < planner.UNSCORED_COST:
             return True  # asked before and every seat chosen has its score: no blind seat
         may_ask = open_round or began is None or self.now - began >= 2 * score_wait()
-        # Asked before: only the seats its placement would use unscored are asked (a window of
-        # candidates again was a quarter of the pairs scored, for no better placement).
+        # Asked before: only the seats its placement would use unscored are asked; they alone
+        # decide whether it waits, and a window of candidates again costs pairs, not placement.
         asked = cluster.id in self.asked or (
             may_ask and self._fits(cluster) and self._ask(cluster, placement, began is not None)
         )
@@ -231,10 +231,10 @@ class Asking:
     def _offer(self, asks: list, while_room: bool = False, blind: bool = False) -> list:
         """Offer each member of these clusters (with their placements, or None) to up to a
         window of idle workers that could seat it and were never offered it: first its
-        placement's seats without a score, then its candidates (Seating.candidates). One
-        statement for them all (their members never share a job), a cluster at most once a
-        pass; `while_room`, up to the first that the head has no room for. The clusters any
-        seat was offered."""
+        placement's seats without a score, then (unless `blind`) its candidates
+        (Seating.candidates). One statement for them all (their members never share a job), a
+        cluster at most once a pass; `while_room`, up to the first that the head has no room
+        for. The clusters any seat was offered."""
         workers, keys, turns = [], [], []
         cluster_of, chosen = {}, []
         for cluster, placement in asks:
