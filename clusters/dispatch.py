@@ -40,7 +40,6 @@ from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.steps import MEMBER_STEPS
 from gradient.logs import ids
 from gradient.wire.groups import send_frames
-from gradient.wire.protocol import ClusterHold
 from workers.assignment import assign_job
 
 log = logging.getLogger(__name__)
@@ -149,9 +148,7 @@ def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) ->
     hold = hold_secs()
     attempt = str(claim.attempt_id)
     for assignment, (seat, row) in zip(claim.members, members, strict=True):
-        hold_of = ClusterHold.model_construct(
-            attempt=attempt, role=row.role, index=row.index, hold_secs=hold
-        )
+        hold_of = {"attempt": attempt, "role": row.role, "index": row.index, "hold_secs": hold}
         frames.append(
             (
                 seat.worker.id,

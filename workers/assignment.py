@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from django.db import connection
 from django.utils import timezone
+from pydantic_core import to_json
 
 from gradient.jobs.claim import Assignment, ClaimGate, claim_params, claim_sql
 from gradient.jobs.models import (
@@ -22,7 +23,7 @@ from gradient.jobs.models import (
     JobKind,
 )
 from gradient.jobs.steps import FETCH_STEPS
-from gradient.wire.protocol import AssignJob, ClusterHold, JobSpec
+from gradient.wire.protocol import AssignJob
 from workers.head import (
     HeadJob,
     Offerable,
@@ -217,13 +218,33 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
     slots.delete()
 
 
+class RenderedAssign:
+    """An AssignJob as its frame. Read as the message (`job`, `cluster`, ...), it is parsed
+    once: only tests and the simulator read it so."""
+
+    def __init__(self, job_id: str, text: str):
+        self.job_id = job_id
+        self.text = text
+        self._message: AssignJob | None = None
+
+    def frame(self) -> str:
+        return self.text
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._message is None:
+            self._message = AssignJob.model_validate_json(self.text)
+        return getattr(self._message, name)
+
+
 def request_job(
     worker_id: int,
     kind: str,
     worker: Worker | None = None,
     head: list[HeadJob] | None = None,
     sizes: Mapping[str, int | None] | None = None,
-) -> AssignJob | None:
+) -> RenderedAssign | None:
     """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
     take now, or None after recording an idle slot (none when it is full, draining or cannot
     serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
@@ -261,29 +282,31 @@ def assign_job(
     architecture: str,
     features,
     steps: list[str],
-    cluster: ClusterHold | None = None,
-) -> AssignJob:
-    """The AssignJob of a claimed job, a single's or (with its hold) a member's. Built from the
-    database's own rows, so not validated again (model_construct): validating thousands of
-    nested frames was a third of the claims' time in a large pass."""
+    cluster: dict | None = None,
+) -> RenderedAssign:
+    """The AssignJob of a claimed job, a single's or (with its hold, a ClusterHold's fields) a
+    member's, rendered from the database's own rows by pydantic's serializer without building
+    the models: a large pass frames thousands, and building them took two thirds of that."""
     job = str(job_id)
-    return AssignJob.model_construct(
-        job_id=key,
-        assignment_id=str(assignment_id),
-        job=JobSpec.model_construct(
-            kind=kind,
-            project=project,
-            evaluation=job if kind == JobKind.EVAL else None,
-            build=job if kind == JobKind.BUILD else None,
-            architecture=architecture,
-            required_features=list(features),
-            steps=steps,
-        ),
-        cluster=cluster,
-    )
+    body = {
+        "type": "AssignJob",
+        "job_id": key,
+        "assignment_id": str(assignment_id),
+        "job": {
+            "kind": kind,
+            "project": project,
+            "evaluation": job if kind == JobKind.EVAL else None,
+            "build": job if kind == JobKind.BUILD else None,
+            "architecture": architecture,
+            "required_features": list(features),
+            "steps": steps,
+        },
+        "cluster": cluster,
+    }
+    return RenderedAssign(key, to_json(body).decode())
 
 
-def assign_frame(claimed: Claimed) -> AssignJob:
+def assign_frame(claimed: Claimed) -> RenderedAssign:
     job = claimed.job
     return assign_job(
         job.key,
