@@ -100,3 +100,33 @@ async def test_group_send_many_delivers_as_group_send_in_order_and_within_capaci
             await layer.close_pools()
     finally:
         redis.stop()
+
+
+async def test_one_pop_puts_every_session_s_frame_in_its_buffer_at_once(tmp_path):
+    """A pop off a process's inbox takes up to a batch of frames for its sessions; each goes
+    to its session's buffer then and there. Handed out one per receive() instead, each waited
+    for a turn among hundreds of sessions: AssignJobs waited a second at 500 workers."""
+    redis = PrivateRedis(tmp_path)
+    redis.start()
+    try:
+        host = {**settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0], "address": redis.url}
+        daphne = BlockingRedisChannelLayer(hosts=[host], capacity=1000)
+        sender = BlockingRedisChannelLayer(hosts=[host], capacity=1000)
+        sessions = [await daphne.new_channel() for _ in range(20)]
+        for i, channel in enumerate(sessions):
+            await daphne.group_add(f"worker-{i}", channel)
+        sends = [
+            (f"worker-{i}", {"type": "worker.send", "frame": f"{i}.{n}"})
+            for n in (0, 1)
+            for i in range(len(sessions))
+        ]
+        assert await sender.group_send_many(sends) == 0
+        assert (await daphne.receive(sessions[0]))["frame"] == "0.0"
+        for i, channel in enumerate(sessions):
+            buffer = daphne.receive_buffer[channel]
+            waiting = [buffer.get_nowait()["frame"] for _ in range(buffer.qsize())]
+            assert waiting == ([f"{i}.1"] if i == 0 else [f"{i}.0", f"{i}.1"])
+        await daphne.close_pools()
+        await sender.close_pools()
+    finally:
+        redis.stop()
