@@ -598,9 +598,8 @@ def method(args) -> list[str]:
         f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
         f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
         f" {TARGET_KEPT[2]:g} x those at {TARGET_KEPT[1]}.",
-        "One run per size, and runs vary: at 500 and 1,000 workers a run can fall into a stall"
-        " where claims wait seconds for their AssignJobs (docs/design.md, sessions), so a"
-        " target met in this run is not met in every run.",
+        "One run per size, and runs vary with the host: a figure met in this run is not met in"
+        " every run (docs/design.md, sessions, has runs side by side).",
     ]
 
 
