@@ -220,7 +220,7 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
 
 class RenderedAssign:
     """An AssignJob as its frame. Read as the message (`job`, `cluster`, ...), it is parsed
-    once: only tests and the simulator read it so."""
+    once: only tests read it so (a session needs only `job_id`)."""
 
     def __init__(self, job_id: str, text: str):
         self.job_id = job_id
