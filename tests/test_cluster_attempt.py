@@ -224,15 +224,15 @@ def test_the_last_acceptance_racing_a_failed_prepare_is_consistent_either_way():
         assert claim_cluster(claim)
         first, last = DispatchedJob.objects.filter(cluster_attempt_id=claim.attempt_id)
         assert accept_assignment(first.worker_id, first.job_id) is False
+
         # Set off together, the failed prepare took the lock first in 98 to 100 trials of 100
         # on a slow host; set off 0, 3, 6 or 9 ms late, it wins about half of them.
-        lag = (i % 4) * 3 / 1000
+        def fail_prepare(attempt_id=claim.attempt_id, lag=(i % 4) * 3 / 1000):
+            time.sleep(lag)
+            return abort_prepare(attempt_id, "prepare timed out")
+
         accepted, failed = race(
-            refused(lambda r=last: accept_assignment(r.worker_id, r.job_id)),
-            lambda c=claim, lag=lag: (
-                time.sleep(lag),
-                abort_prepare(c.attempt_id, "prepare timed out"),
-            )[1],
+            refused(lambda r=last: accept_assignment(r.worker_id, r.job_id)), fail_prepare
         )
         cluster.refresh_from_db()
         attempt = ClusterAttempt.objects.get(pk=claim.attempt_id)
