@@ -517,6 +517,9 @@ def method(args) -> list[str]:
         f"{args.passes} passes measured per depth after {args.warmup} of warm-up. VACUUM ANALYZE"
         f" every {VACUUM_SECS} s, as autovacuum would: it is off on this server.",
         f"Target (issue #18): chosen bytes at most {TARGET:g} x full scoring's on the deep queue.",
+        "One run per depth, and the ratio moves from run to run: the sessions ask on the wall"
+        " clock, so which seats have answered at a pass varies (docs/design.md has runs side by"
+        " side).",
     ]
 
 
