@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests.redis_db import redis_url
+
 # The unit tests' Redis database: a local bin/run uses database 0, and its sessions' groups are
 # named by worker ids that the test database's workers share. e2e processes use their own.
 UNIT_REDIS_DB = int(os.environ.get("GRADIENT_UNIT_REDIS_DB", "8"))
@@ -16,7 +18,7 @@ def _unit_redis_db():
 
     from gradient.celery import app
 
-    url = settings.REDIS_URL.rsplit("/", 1)[0] + f"/{UNIT_REDIS_DB}"
+    url = redis_url(UNIT_REDIS_DB, settings.REDIS_URL)
     settings.REDIS_URL = settings.CELERY_BROKER_URL = app.conf.broker_url = url
     for layer in settings.CHANNEL_LAYERS.values():
         for host in layer.get("CONFIG", {}).get("hosts", ()):

@@ -8,7 +8,8 @@ import kombu
 import pytest
 import redis
 
-from tests.test_metrics import redis_url_for_tests
+from tests.redis_db import redis_url
+from tests.test_metrics import TEST_REDIS_DB
 
 QUEUE = "gradient-test-broker"
 
@@ -17,9 +18,9 @@ QUEUE = "gradient-test-broker"
 def taken(caplog):
     """A channel holding one message taken and not acknowledged."""
     caplog.set_level(logging.WARNING, logger="gradient.broker")
-    direct = redis.Redis.from_url(redis_url_for_tests())
+    direct = redis.Redis.from_url(redis_url(TEST_REDIS_DB))
     direct.flushdb()
-    connection = kombu.Connection(redis_url_for_tests(), transport="gradient.broker:Transport")
+    connection = kombu.Connection(redis_url(TEST_REDIS_DB), transport="gradient.broker:Transport")
     queue = connection.SimpleQueue(QUEUE)
     queue.put({"task": "clusters.dispatch"})
     message = queue.get(timeout=5)

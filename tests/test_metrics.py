@@ -4,8 +4,6 @@ Redis; structured logs carrying cluster, attempt and worker ids."""
 import io
 import json
 import logging
-import os
-import urllib.parse
 import uuid
 from datetime import timedelta
 
@@ -30,6 +28,7 @@ from gradient.logs import JsonFormatter, ids
 from gradient.wire.protocol import MemberRef
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
+from tests.redis_db import redis_url
 from workers.models import IdleSlot
 
 TEST_REDIS_DB = 12
@@ -47,15 +46,10 @@ CAPS = {
 }
 
 
-def redis_url_for_tests() -> str:
-    base = urllib.parse.urlsplit(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
-    return urllib.parse.urlunsplit(base._replace(path=f"/{TEST_REDIS_DB}"))
-
-
 @pytest.fixture(autouse=True)
 def metrics_redis(memory_layer, settings):
     """The Redis part of the metrics in a database of its own, empty at the start."""
-    settings.REDIS_URL = redis_url_for_tests()
+    settings.REDIS_URL = redis_url(TEST_REDIS_DB)
     metrics._down_until.clear()
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from tests.redis_db import redis_url
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 # Keeps test traffic apart from a development server's; two suites run at once need two.
@@ -57,12 +59,11 @@ def process_env(django_db_setup):
     of its own."""
     s = connection.settings_dict
     url = f"postgres://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
-    redis_base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0]
     env = {
         **os.environ,
         **FAST,
         "DATABASE_URL": url,
-        "REDIS_URL": f"{redis_base}/{E2E_REDIS_DB}",
+        "REDIS_URL": redis_url(E2E_REDIS_DB),
         "DJANGO_SETTINGS_MODULE": "gradient.settings",
         "PYTHONUNBUFFERED": "1",
     }
