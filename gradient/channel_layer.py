@@ -79,9 +79,8 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
 
     def _hand_out(self, popped: collections.deque) -> None:
         """Put every message popped off the inbox but the last in its session's buffer at once,
-        as receive() puts the one it is given. Given one per receive(), each waited for a turn
-        of the receive lock among hundreds of sessions: at 500 workers on a loaded host,
-        AssignJobs waited a second there (p90 2.4 s)."""
+        as receive() puts the one it is given. Given one per receive(), each would wait for a
+        turn of the receive lock among hundreds of sessions (docs/design.md, sessions)."""
         while len(popped) > 1:
             channel, message = self._unpack(None, popped.popleft())
             for name in channel if isinstance(channel, list) else [channel]:

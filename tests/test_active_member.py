@@ -95,7 +95,7 @@ def test_the_single_path_gives_out_a_member_only_once_its_cluster_has_finished()
     assert assignment.request_job(worker.pk, JobKind.BUILD) is None
     sql("UPDATE cluster_job SET status = 'Failed' WHERE id = %s", cluster.pk)
     given = assignment.request_job(worker.pk, JobKind.BUILD)
-    assert given is not None and given.job.build == str(members[0].derivation_build_id)
+    assert given is not None and given.message.job.build == str(members[0].derivation_build_id)
 
 
 def test_every_trigger_is_declared_on_a_model():

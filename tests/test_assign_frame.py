@@ -50,4 +50,4 @@ def test_the_rendered_frame_is_the_models_own(
     )
     assert rendered.frame() == model.frame()
     assert rendered.job_id == key
-    assert rendered.job == model.job and rendered.cluster == model.cluster
+    assert rendered.message == model

@@ -107,9 +107,13 @@ def test_a_request_that_assigns_a_job(kind):
     (offer, assign), sql = counted(answer_request, worker, kind)
     assert len(sql) == REQUEST_ASSIGNING, "\n".join(sql)
     assert [j.job_id for j in offer.jobs] == [job.job_key]
-    assert assign.job_id == job.job_key and assign.job.project == project.name
+    assert assign.job_id == job.job_key and assign.message.job.project == project.name
     row = DispatchedJob.objects.get()
-    assert (str(row.id), row.worker_id, row.finished_at) == (assign.assignment_id, worker.pk, None)
+    assert (str(row.id), row.worker_id, row.finished_at) == (
+        assign.message.assignment_id,
+        worker.pk,
+        None,
+    )
     job.refresh_from_db()
     assert job.status == ("EvaluatingFlake" if kind == "eval" else BuildStatus.BUILDING)
     assert not IdleSlot.objects.exists()
@@ -152,7 +156,7 @@ def assigned(kind, steps=None):
 @pytest.mark.parametrize("kind", ["eval", "build"])
 def test_a_single_jobs_completion_is_one_statement(kind):
     worker, job, assign = assigned(kind)
-    _, sql = counted(reports.job_completed, worker.pk, assign.job_id, assign.assignment_id)
+    _, sql = counted(reports.job_completed, worker.pk, assign.job_id, assign.message.assignment_id)
     assert len(sql) == COMPLETED, "\n".join(sql)
     row = DispatchedJob.objects.get()
     assert row.outcome == "Completed" and row.finished_at is not None
@@ -163,7 +167,7 @@ def test_a_single_jobs_completion_is_one_statement(kind):
 @pytest.mark.django_db
 def test_a_fetch_only_completion_leaves_its_evaluation_fetching():
     worker, job, assign = assigned("eval", steps=FETCH_STEPS)
-    reports.job_completed(worker.pk, assign.job_id, assign.assignment_id)
+    reports.job_completed(worker.pk, assign.job_id, assign.message.assignment_id)
     assert DispatchedJob.objects.get().outcome == "Completed"
     assert Evaluation.objects.get(pk=job.pk).status == EvaluationStatus.FETCHING
 
@@ -172,7 +176,7 @@ def test_a_fetch_only_completion_leaves_its_evaluation_fetching():
 def test_a_completion_by_another_worker_or_under_another_assignment_changes_nothing():
     worker, job, assign = assigned("build")
     for args in [
-        (WorkerFactory().pk, assign.job_id, assign.assignment_id),
+        (WorkerFactory().pk, assign.job_id, assign.message.assignment_id),
         (worker.pk, assign.job_id, str(uuid.uuid4())),
         (worker.pk, assign.job_id, "not-a-uuid"),
     ]:
@@ -180,9 +184,9 @@ def test_a_completion_by_another_worker_or_under_another_assignment_changes_noth
             reports.job_completed(*args)
     assert DispatchedJob.objects.get().finished_at is None
     assert DerivationBuild.objects.get(pk=job.pk).status == BuildStatus.BUILDING
-    reports.job_completed(worker.pk, assign.job_id, assign.assignment_id)
+    reports.job_completed(worker.pk, assign.job_id, assign.message.assignment_id)
     with pytest.raises(NotAllowed):  # reported twice
-        reports.job_completed(worker.pk, assign.job_id, assign.assignment_id)
+        reports.job_completed(worker.pk, assign.job_id, assign.message.assignment_id)
 
 
 @pytest.mark.django_db

@@ -23,7 +23,7 @@ from gradient.jobs.models import (
     JobKind,
 )
 from gradient.jobs.steps import FETCH_STEPS
-from gradient.wire.protocol import AssignJob
+from gradient.wire.protocol import AssignJob, Rendered
 from workers.head import (
     HeadJob,
     Offerable,
@@ -218,24 +218,14 @@ def clear_idle(worker_id: int, kind: str | None = None) -> None:
     slots.delete()
 
 
-class RenderedAssign:
-    """An AssignJob as its frame. Read as the message (`job`, `cluster`, ...), it is parsed
-    once: only tests read it so (a session needs only `job_id`)."""
+class RenderedAssign(Rendered):
+    """An AssignJob as its frame, with the one field a session reads (`job_id`)."""
+
+    model = AssignJob
 
     def __init__(self, job_id: str, text: str):
+        super().__init__(text)
         self.job_id = job_id
-        self.text = text
-        self._message: AssignJob | None = None
-
-    def frame(self) -> str:
-        return self.text
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if self._message is None:
-            self._message = AssignJob.model_validate_json(self.text)
-        return getattr(self._message, name)
 
 
 def request_job(

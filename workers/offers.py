@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
-from gradient.wire.protocol import JobOffer, OfferedJob
+from gradient.wire.protocol import JobOffer, OfferedJob, Rendered
 from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
 
@@ -65,18 +65,17 @@ SELECT (SELECT coalesce(json_agg(json_build_array(
 """
 
 
-class RenderedOffer:
-    """A JobOffer as the frame to send (`jobs` parses it, for tests)."""
+class RenderedOffer(Rendered):
+    """A JobOffer of the jobs' JSON array, as PostgreSQL and the session render it."""
+
+    model = JobOffer
 
     def __init__(self, jobs_json: str):
-        self.text = '{"type":"JobOffer","jobs":' + jobs_json + "}"
-
-    def frame(self) -> str:
-        return self.text
+        super().__init__('{"type":"JobOffer","jobs":' + jobs_json + "}")
 
     @property
     def jobs(self) -> list[OfferedJob]:
-        return JobOffer.model_validate_json(self.text).jobs
+        return self.message.jobs
 
 
 class Offered:

@@ -5,6 +5,7 @@ Unknown fields are ignored; a missing or mistyped field is a ProtocolError namin
 """
 
 import json
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -61,6 +62,23 @@ class Message(BaseModel):
         body = self.model_dump_json()
         head = '{"type":' + json.dumps(type(self).__name__)
         return head + "}" if body == "{}" else head + "," + body[1:]
+
+
+class Rendered:
+    """A message made as its frame's text, for the hot paths that would otherwise build
+    thousands of models only to render them. `message` parses it back (tests read it so)."""
+
+    model: type[Message]
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def frame(self) -> str:
+        return self.text
+
+    @cached_property
+    def message(self) -> Message:
+        return self.model.model_validate_json(self.text)
 
 
 # Worker -> server

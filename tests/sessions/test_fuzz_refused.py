@@ -97,7 +97,10 @@ def other_workers_state():
     BuildFactory()
     single = assignment.request_job(other.pk, "build")
     assert single is not None
-    others = [(single.job_id, single.assignment_id), *((r.job_id, str(r.pk)) for r in members)]
+    others = [
+        (single.job_id, single.message.assignment_id),
+        *((r.job_id, str(r.pk)) for r in members),
+    ]
     return others, str(attempt.pk)
 
 
