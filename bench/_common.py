@@ -31,9 +31,10 @@ def setup(database_url: str, redis_db: int) -> None:
     database of the benchmark's own (metrics, wake-ups), and set it up."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    from gradient.redis_db import redis_url  # reads no setting: Django is not set up yet
+
     os.environ["DATABASE_URL"] = database_url
-    redis_base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0]
-    os.environ["REDIS_URL"] = f"{redis_base}/{redis_db}"
+    os.environ["REDIS_URL"] = redis_url(redis_db)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
     import django
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.redis_db import redis_url
+from gradient.redis_db import redis_url
 
 # The unit tests' Redis database: a local bin/run uses database 0, and its sessions' groups are
 # named by worker ids that the test database's workers share. e2e processes use their own.

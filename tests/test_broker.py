@@ -8,7 +8,7 @@ import kombu
 import pytest
 import redis
 
-from tests.redis_db import redis_url
+from gradient.redis_db import redis_url
 from tests.test_metrics import TEST_REDIS_DB
 
 QUEUE = "gradient-test-broker"

@@ -25,10 +25,10 @@ from gradient import metrics
 from gradient.asgi import application
 from gradient.jobs.models import DispatchedJob
 from gradient.logs import JsonFormatter, ids
+from gradient.redis_db import redis_url
 from gradient.wire.protocol import MemberRef
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
-from tests.redis_db import redis_url
 from workers.models import IdleSlot
 
 TEST_REDIS_DB = 12

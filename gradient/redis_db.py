@@ -1,5 +1,5 @@
-"""The URL of one Redis database of the configured server: the unit tests, the end-to-end
-processes and the metrics tests each keep to a database of their own."""
+"""The URL of one Redis database of the configured server: the test suites and each benchmark
+keep to a database of their own."""
 
 import os
 from urllib.parse import urlsplit, urlunsplit
