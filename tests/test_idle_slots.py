@@ -3,6 +3,8 @@
 import pytest
 
 from sessions.request_job import answer_request
+from tests.clusterflow import wait_for_lock_waits
+from tests.concurrency import frozen_connection, race
 from tests.factories import BuildFactory, ProjectFactory, WorkerFactory
 from workers.assignment import record_idle
 from workers.models import IdleSlot
@@ -38,3 +40,37 @@ def test_a_worker_seated_since_its_request_counted_gets_no_idle_slot_of_that_kin
     record_idle(worker.pk, "build")  # the late write of a RequestJob that saw the slot free
     record_idle(worker.pk, "eval")
     assert slots(worker) == {"eval"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_that_counted_before_a_claim_committed_leaves_no_idle_slot_behind():
+    """A resend can reach the idle slot while a claim seats its worker on it: the claim holds
+    the slot's row and has written its assignment, uncommitted. Counted from before the
+    commit, the worker had room, and the slot was written again once the claim deleted it:
+    the next pass seated the worker twice, and it refused the second member."""
+    worker = WorkerFactory(max_concurrent_evals=1)
+    record_idle(worker.pk, "eval")
+    claim = frozen_connection()
+    try:
+        claim.execute(
+            "SELECT 1 FROM idle_slot WHERE worker_id = %s AND kind = 'eval' FOR UPDATE",
+            [worker.pk],
+        )
+        claim.execute(
+            "INSERT INTO dispatched_job (id, kind, job_id, worker_id, project_id, steps,"
+            " dispatched_at) VALUES (gen_random_uuid(), 'eval', %s, %s, %s, '{}', now())",
+            ["eval:00000000-0000-0000-0000-000000000001", worker.pk, ProjectFactory().pk],
+        )
+        claim.execute("DELETE FROM idle_slot WHERE worker_id = %s", [worker.pk])
+
+        def commit_once_waited_on():
+            try:
+                return wait_for_lock_waits(1)
+            finally:
+                claim.commit()
+
+        _, waited = race(lambda: record_idle(worker.pk, "eval"), commit_once_waited_on)
+        assert waited
+    finally:
+        claim.close()
+    assert slots(worker) == set()

@@ -43,8 +43,11 @@ from workers.offers import Offered
 # worker's room, the transition and the idle slot, in one statement (1). (A session answers
 # after the worker's scores; counted here without that wait, the same statements.)
 REQUEST_ASSIGNING = 2
-# RequestJob with nothing to give, nothing new to offer: the offer (1), the idle slot (1).
-REQUEST_IDLE = 2
+# RequestJob with nothing to give, nothing new to offer: the offer (1); the idle slot in a
+# transaction of its own, its row locked and then the room counted and the slot written, in
+# one round trip (a pipeline) (2). In a test, between a SAVEPOINT and its RELEASE.
+REQUEST_IDLE_STATEMENTS = 3
+REQUEST_IDLE = REQUEST_IDLE_STATEMENTS + 2
 # A single job's JobCompleted: one statement.
 COMPLETED = 1
 # A single job's AssignJobResponse (accepted): the one query that tells it from a member's.

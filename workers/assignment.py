@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 from pydantic_core import to_json
 
@@ -23,6 +23,7 @@ from gradient.jobs.models import (
     JobKind,
 )
 from gradient.jobs.steps import FETCH_STEPS
+from gradient.postgresql.pipeline import send
 from gradient.wire.protocol import AssignJob, Rendered
 from workers.head import (
     HeadJob,
@@ -184,11 +185,15 @@ def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
     )
 
 
-# One statement, outside any transaction: update_or_create would take four round trips
-# (BEGIN, SELECT ... FOR UPDATE, the write, COMMIT) on every unanswered RequestJob. The slot is
-# recorded only while the worker still has room for the kind, and cleared when it has none: a
-# cluster claim that seated it since the RequestJob counted its assignments has taken the
-# slot, and recording it again would seat the worker twice, a prepare lost.
+# The slot is recorded only while the worker still has room for the kind, and cleared when it
+# has none: a claim that seated it since the RequestJob has taken the slot, and recording it
+# again would seat the worker twice, a prepare lost. A claim holds the slot's row until it
+# commits, so the row is locked first and the room counted by a statement of its own, which
+# sees that commit: counted from before it, the slot came back as the claim deleted it. Both
+# go in one round trip (a pipeline), then the commit.
+LOCK_IDLE_SQL = """
+SELECT 1 FROM idle_slot WHERE worker_id = %(worker)s AND kind = %(kind)s::text FOR UPDATE
+"""
 RECORD_IDLE_SQL = """
 WITH room AS (
     SELECT w.id, NOT w.draining AND (SELECT count(*) FROM dispatched_job d
@@ -207,8 +212,11 @@ WHERE s.worker_id = room.id AND s.kind = %(kind)s::text AND NOT room.free
 
 
 def record_idle(worker_id: int, kind: str) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(RECORD_IDLE_SQL, {"worker": worker_id, "kind": kind, "now": timezone.now()})
+    params = {"worker": worker_id, "kind": kind, "now": timezone.now()}
+    # The atomic block opens the connection before the pipeline is asked of it.
+    with transaction.atomic(), connection.wrap_database_errors, connection.connection.pipeline():
+        send(LOCK_IDLE_SQL, params)
+        send(RECORD_IDLE_SQL, params)
 
 
 def clear_idle(worker_id: int, kind: str | None = None) -> None:

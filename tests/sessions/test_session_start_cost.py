@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 
 from clusters.wake import WAKE_KEY, _client
 from tests.sessions.conftest import Session
-from tests.test_query_counts import REQUEST_IDLE
+from tests.test_query_counts import REQUEST_IDLE_STATEMENTS
 from workers.models import Worker
 
 pytestmark = pytest.mark.asyncio
@@ -23,10 +23,11 @@ pytestmark = pytest.mark.asyncio
 # (one statement for both kinds; none queued here, so nothing is written).
 START = 4
 # Then the reference worker asks for a job per free slot (eval and build) and, none queued,
-# gets idle slots: each such RequestJob as pinned where the RequestJob path is, and the
-# dispatch wake-up's question whether any cluster waits at all (asked while no pass is
-# queued, as here: with one queued, the wake-up reads Redis alone).
-REQUESTS = 2 * (REQUEST_IDLE + 1)
+# gets idle slots: each such RequestJob as pinned where the RequestJob path is (outside a
+# test's transaction: no SAVEPOINT), and the dispatch wake-up's question whether any cluster
+# waits at all (asked while no pass is queued, as here: with one queued, the wake-up reads
+# Redis alone).
+REQUESTS = 2 * (REQUEST_IDLE_STATEMENTS + 1)
 
 
 class Statements:
