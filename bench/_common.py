@@ -363,6 +363,16 @@ def log_problems(procs: Processes) -> tuple[list[str], int]:
     return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
 
 
+def median_text(values: list[float], digits: int = 1) -> str:
+    """A figure's median over a benchmark's runs, with the runs' range when there are several:
+    one run moves enough from the next that a target is judged on the median."""
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return f"{mid:.{digits}f}"
+    low, high = min(values), max(values)
+    return f"{mid:.{digits}f} (median of {len(values)}: {low:.{digits}f} to {high:.{digits}f})"
+
+
 def percentile(xs: list[float], p: float) -> float:
     """The p-th percentile (0..100), linear between the closest ranks."""
     if len(xs) == 1:

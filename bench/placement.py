@@ -480,16 +480,12 @@ def figures(runs: list[Run]) -> list[common.Figure]:
         return []
     depth = max(r.depth for r in runs)
     ratios_ = [totals(r)["ratio"] for r in runs if r.depth == depth]
-    ratio = statistics.median(ratios_)
-    result = f"{ratio:.3f}"
-    if len(ratios_) > 1:
-        result += f" (median of {len(ratios_)}: {min(ratios_):.3f} to {max(ratios_):.3f})"
     return [
         common.Figure(
             f"placement: chosen seats' bytes over full scoring's, {depth:,} clusters queued",
             f"≤ {TARGET:g}",
-            result,
-            ratio <= TARGET,
+            common.median_text(ratios_, digits=3),
+            statistics.median(ratios_) <= TARGET,
         )
     ]
 

@@ -492,14 +492,6 @@ def runs_by_size(results: list[dict]) -> dict[int, list[dict]]:
     return dict(sorted(sizes.items()))
 
 
-def median_text(values: list[float]) -> str:
-    """A median, with the runs' range when there are several."""
-    mid = statistics.median(values)
-    if len(values) == 1:
-        return f"{mid:.1f}"
-    return f"{mid:.1f} (median of {len(values)}: {min(values):.1f} to {max(values):.1f})"
-
-
 def figures(results: list[dict]) -> list[common.Figure]:
     """Issue #18's targets, on each size's median over its runs: pairs per start at every
     size, member starts at 500 workers, and at 1,000 against 100."""
@@ -511,7 +503,7 @@ def figures(results: list[dict]) -> list[common.Figure]:
         common.Figure(
             "throughput: (worker, job) pairs scored per start, every fleet size",
             f"≤ {TARGET_PAIRS_PER_START:.0f}",
-            f"{median_text(pairs[worst])} at {worst:,} workers (the most)",
+            f"{common.median_text(pairs[worst])} at {worst:,} workers (the most)",
             statistics.median(pairs[worst]) <= TARGET_PAIRS_PER_START,
         )
     ]
@@ -521,7 +513,7 @@ def figures(results: list[dict]) -> list[common.Figure]:
             common.Figure(
                 f"throughput: member starts/s at {size:,} workers",
                 f"≥ {least:.0f} (aim {AIM_MEMBER_STARTS:.0f})",
-                "not measured" if rates is None else median_text(rates),
+                "not measured" if rates is None else common.median_text(rates),
                 None if rates is None else statistics.median(rates) >= least,
             )
         )

@@ -46,8 +46,9 @@ def test_a_worker_seated_since_its_request_counted_gets_no_idle_slot_of_that_kin
 def test_a_request_that_counted_before_a_claim_committed_leaves_no_idle_slot_behind():
     """A resend can reach the idle slot while a claim seats its worker on it: the claim holds
     the slot's row and has written its assignment, uncommitted. Counted from before the
-    commit, the worker had room, and the slot was written again once the claim deleted it:
-    the next pass seated the worker twice, and it refused the second member."""
+    commit, the worker would have room and the slot would be written again once the claim
+    deletes it; the next pass would seat the worker twice, and it would refuse the second
+    member."""
     worker = WorkerFactory(max_concurrent_evals=1)
     record_idle(worker.pk, "eval")
     claim = frozen_connection()

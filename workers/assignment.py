@@ -189,8 +189,8 @@ def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
 # has none: a claim that seated it since the RequestJob has taken the slot, and recording it
 # again would seat the worker twice, a prepare lost. A claim holds the slot's row until it
 # commits, so the row is locked first and the room counted by a statement of its own, which
-# sees that commit: counted from before it, the slot came back as the claim deleted it. Both
-# go in one round trip (a pipeline), then the commit.
+# sees that commit: counted from before it, the write would put the slot back as the claim
+# deletes it. Both go in one round trip (a pipeline), then the commit.
 LOCK_IDLE_SQL = """
 SELECT 1 FROM idle_slot WHERE worker_id = %(worker)s AND kind = %(kind)s::text FOR UPDATE
 """
