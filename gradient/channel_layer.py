@@ -14,7 +14,8 @@ session's buffer at once. The backup copy goes: a message popped by a process th
 is lost, as a message in a Redis that restarts is; every frame the layer carries is a wake-up
 whose state is in PostgreSQL.
 
-group_send_many sends to many groups at once, for the passes that reach hundreds of workers.
+group_send_many sends to many groups at once, for the passes that reach hundreds of workers;
+group_add is one round trip.
 """
 
 import collections
@@ -91,6 +92,17 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
         if "__asgi_channel__" in message:
             channel = message.pop("__asgi_channel__")
         return channel, message
+
+    async def group_add(self, group, channel):
+        """channels-redis's group_add in one round trip instead of two: every session joins
+        its group again at each touch (sessions/consumer.py), hundreds a second on a big fleet."""
+        assert self.require_valid_group_name(group), "Group name not valid"
+        assert self.require_valid_channel_name(channel), "Channel name not valid"
+        key = self._group_key(group)
+        pipe = self.connection(self.consistent_hash(group)).pipeline(transaction=False)
+        pipe.zadd(key, {channel: time.time()})
+        pipe.expire(key, self.group_expiry)
+        await pipe.execute()
 
     async def group_send_many(self, sends: list[tuple[str, dict]]) -> int:
         """Send each (group, message) as group_send would, in two round trips per Redis host

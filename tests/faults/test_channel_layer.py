@@ -120,3 +120,25 @@ async def test_one_pop_puts_every_session_s_frame_in_its_buffer_at_once(redis):
         assert waiting == ([f"{i}.1"] if i == 0 else [f"{i}.0", f"{i}.1"])
     await daphne.close_pools()
     await sender.close_pools()
+
+
+async def test_group_add_joins_with_the_groups_expiry_and_joins_again_after_a_restart(redis):
+    """group_add is one round trip of its own (the session's rejoin at every touch): the
+    channel is a member, the group expires after group_expiry, a second join keeps one
+    membership, and a join after a Redis restart reaches the channel again."""
+    layer = BlockingRedisChannelLayer(hosts=[redis.host], group_expiry=600)
+    sender = BlockingRedisChannelLayer(hosts=[redis.host])
+    channel = await layer.new_channel()
+    await layer.group_add("worker-1", channel)
+    await layer.group_add("worker-1", channel)
+    client = layer.connection(0)
+    key = layer._group_key("worker-1")
+    assert [name.decode() for name in await client.zrange(key, 0, -1)] == [channel]
+    assert 590 <= await client.ttl(key) <= 600
+    redis.restart()  # the group is gone with the server's memory
+    assert await layer.connection(0).zcard(key) == 0
+    await layer.group_add("worker-1", channel)
+    await sender.group_send("worker-1", {"type": "found"})
+    assert (await asyncio.wait_for(layer.receive(channel), 2))["type"] == "found"
+    await layer.close_pools()
+    await sender.close_pools()
