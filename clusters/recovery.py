@@ -10,9 +10,7 @@ attempt's created_at), so a restart never resets one.
 
 import contextlib
 import logging
-from datetime import timedelta
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
@@ -30,6 +28,7 @@ from gradient.jobs.models import (
     DispatchedOutcome,
 )
 from gradient.wire.keys import member_key_sql
+from workers.liveness import silent_before
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def resolve_orphaned_attempts(now=None) -> list:
     else Fail), even when its worker never confirms; a member whose worker went silent
     reports as lost."""
     now = now or timezone.now()
-    silent = now - timedelta(seconds=settings.GRADIENT["WORKER_TIMEOUT_SECS"])
+    silent = silent_before(now)
     with connection.cursor() as cursor:
         cursor.execute(
             STARTED_WITH_LOST_OR_DEAD_SQL,

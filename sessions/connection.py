@@ -1,8 +1,6 @@
 """A worker's session state in PostgreSQL: who is connected where, what it can do, what it was
 offered. Every function is one short transaction the consumer calls from its handlers."""
 
-from datetime import timedelta
-
 from django.db import connection as db_connection
 from django.db import transaction
 from django.utils import timezone
@@ -13,8 +11,6 @@ from gradient.jobs.transitions import finish_assignments
 from gradient.wire.protocol import WorkerCapabilities
 from sessions.reports import release_single
 from workers.models import IdleSlot, JobScore, Worker, hash_token
-
-TOUCH_EVERY = timedelta(seconds=5)
 
 
 def bearer_token(headers) -> str:
@@ -121,27 +117,24 @@ def detach(worker_id: int, channel_name: str) -> bool:
     return bool(gone)
 
 
-# Liveness in one statement: the last-seen time is written when older than TOUCH_EVERY (a
-# write per frame would be a row version per frame); the answer is whether this session is
-# still the worker's live one with its token good.
+# Liveness in one statement, every workers.liveness.touch_every() seconds of a session that
+# sends frames: the last-seen time written, and whether this session is still the worker's
+# live one with its token good.
 TOUCH_SQL = """
 WITH live AS (
     SELECT id FROM worker
     WHERE id = %(worker)s AND channel_name = %(channel)s AND revoked_at IS NULL
 ), seen AS (
-    UPDATE worker SET last_seen_at = %(now)s
-    WHERE id IN (SELECT id FROM live)
-      AND (last_seen_at IS NULL OR last_seen_at < %(stale)s)
+    UPDATE worker SET last_seen_at = %(now)s WHERE id IN (SELECT id FROM live)
 )
 SELECT EXISTS (SELECT 1 FROM live)
 """
 
 
 def touch(worker_id: int, channel_name: str) -> bool:
-    """Liveness: any frame counts. Written at most every few seconds; returns False when this
-    session is no longer the worker's live one or its token was revoked."""
-    now = timezone.now()
-    params = {"worker": worker_id, "channel": channel_name, "now": now, "stale": now - TOUCH_EVERY}
+    """Liveness: False when this session is no longer the worker's live one or its token was
+    revoked."""
+    params = {"worker": worker_id, "channel": channel_name, "now": timezone.now()}
     with db_connection.cursor() as cursor:
         cursor.execute(TOUCH_SQL, params)
         return cursor.fetchone()[0]

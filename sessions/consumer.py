@@ -41,7 +41,7 @@ from sessions.rate_limit import TokenBucket
 from sessions.request_job import answer_request, read_head
 from sessions.starts import STARTS_FIRST_SECS, Starts, leave_replaced, session_starts
 from sessions.threads import accept_db, db, handshake_db, report_db
-from workers import offers
+from workers import liveness, offers
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ CLOSE_ERROR = 4500
 CLOSE_REVOKED = 4403
 CLOSE_SILENT = 4408
 CLOSE_REPLACED = 4409
+# A session joins its group again this often (a Redis restart empties the groups), and writes
+# its liveness every workers.liveness.touch_every() seconds, at the touch that follows.
 TOUCH_EVERY_SECS = 5.0
 
 
@@ -126,7 +128,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.replacing: asyncio.Future | None = None  # telling the session this one replaces
         self.slots = {"eval": 0, "build": 0}  # from the capabilities
         self.live = True
-        self.touched = 0.0  # set once attached: attach() is as good as a touch
+        self.touched = self.seen = 0.0  # set once attached: attach() is as good as a touch
+        self.touch_every = liveness.touch_every()
         self.bucket = TokenBucket(
             settings.GRADIENT["WORKER_RATE_PER_SEC"], settings.GRADIENT["WORKER_RATE_BURST"]
         )
@@ -137,7 +140,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         async with session_starts().gate:
             await self.join_group()
             previous = await handshake_db(connection.attach)(self.worker_id, self.channel_name)
-        self.touched = time.monotonic()
+        self.touched = self.seen = time.monotonic()
         if previous and previous != self.channel_name:
             # Off the start's path: after a restart every session replaces a dead one.
             self.replacing = asyncio.ensure_future(
@@ -230,21 +233,25 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.bulk.put(message, after=self.last_report)
 
     def check_liveness(self):
-        """Liveness is written every few seconds, queued with the bulk frames (the bulk frames
-        after it ask for work, which a session that lost must not get): the same query
-        notices a revoked token or a newer session that took over, and the session closes.
-        Not with the reports: a touch per session every few seconds would be most of them."""
+        """A touch every few seconds of frames, queued with the bulk frames: the group joined
+        again and, every touch_every() seconds, liveness written (the bulk frames after it ask
+        for work, which a session that lost must not get): the same query notices a revoked
+        token or a newer session that took over, and the session closes. Not with the
+        reports: a touch per session every few seconds would be most of them."""
         now = time.monotonic()
         if now - self.touched >= TOUCH_EVERY_SECS:
             self.touched = now
-            self.bulk.put(Touch())
+            write = now - self.seen >= self.touch_every
+            if write:
+                self.seen = now
+            self.bulk.put(Touch(liveness=write))
 
-    async def on_Touch(self, _: "Touch"):
-        if await db(connection.touch)(self.worker_id, self.channel_name):
-            await self.join_group()
-        else:
+    async def on_Touch(self, touch: "Touch"):
+        if touch.liveness and not await db(connection.touch)(self.worker_id, self.channel_name):
             self.live = False
             await self.close(code=CLOSE_REVOKED)
+            return
+        await self.join_group()
 
     async def join_group(self):
         """At the start, and again at every touch: the worker's group lives in Redis, and the

@@ -85,7 +85,10 @@ class FrameQueue:
 
 
 class Touch(NamedTuple):
-    """A session's liveness check, queued with its bulk frames (not a protocol message)."""
+    """A session's group join, and when due its liveness check, queued with its bulk frames
+    (not a protocol message)."""
+
+    liveness: bool
 
 
 class OfferAll(NamedTuple):

@@ -2,9 +2,7 @@
 even when the process that served it died without saying so."""
 
 import logging
-from datetime import timedelta
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -12,6 +10,7 @@ from clusters.recovery import report_lost_members
 from gradient.logs import ids
 from gradient.wire.groups import send_to_worker_on_commit
 from sessions.connection import abandon_single_assignments
+from workers.liveness import silent_before
 from workers.models import Worker
 
 log = logging.getLogger(__name__)
@@ -19,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def disconnect_silent_workers(now=None) -> list[int]:
     now = now or timezone.now()
-    cutoff = now - timedelta(seconds=settings.GRADIENT["WORKER_TIMEOUT_SECS"])
+    cutoff = silent_before(now)
     silent = Worker.objects.filter(channel_name__isnull=False, last_seen_at__lt=cutoff)
     gone = []
     for worker_id in silent.values_list("pk", flat=True):

@@ -26,8 +26,7 @@ PROJECT = "faults"
 # Short spec durations, so the real code runs in test time.
 PREPARE_TIMEOUT_SECS = 3.0
 DISPATCH_INTERVAL_SECS = 1.0
-# A live session writes last_seen_at at most every 5 s (sessions/consumer.py), so a worker
-# heartbeating every second can look 6 s silent: the timeout must stay above that.
+# A live session writes last_seen_at every quarter of this (workers.liveness): 2.5 s.
 WORKER_TIMEOUT_SECS = 10.0
 SETTINGS = {
     "GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS": str(DISPATCH_INTERVAL_SECS),

@@ -1,3 +1,4 @@
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -8,6 +9,8 @@ from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
 from gradient.jobs.transitions import advance_build
 from sessions.liveness import disconnect_silent_workers
 from tests.factories import BuildFactory, WorkerFactory
+from tests.sessions.session_db import q
+from workers import liveness
 from workers.models import IdleSlot, Worker
 
 
@@ -15,8 +18,9 @@ from workers.models import IdleSlot, Worker
 def test_a_silent_worker_is_disconnected_and_its_single_jobs_requeued(settings, memory_layer):
     settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 120}
     now = timezone.now()
-    silent = WorkerFactory(channel_name="gone", last_seen_at=now - timedelta(seconds=121))
-    alive = WorkerFactory(channel_name="here", last_seen_at=now - timedelta(seconds=30))
+    # last_seen_at lags a live session's last frame by up to a touch period (30 s here).
+    silent = WorkerFactory(channel_name="gone", last_seen_at=now - timedelta(seconds=151))
+    alive = WorkerFactory(channel_name="here", last_seen_at=now - timedelta(seconds=149))
     build = BuildFactory()
     assert claim_assignment(
         Assignment(ClaimGate("build", build.pk), silent.pk, build.project_id, ["build"])
@@ -63,3 +67,51 @@ def test_a_silent_workers_cluster_member_is_never_requeued_as_a_single_job(setti
     # Both builds went back through the verdict (Retry), not as single jobs.
     assert set(DerivationBuild.objects.values_list("status", flat=True)) == {BuildStatus.QUEUED}
     assert DispatchedJob.objects.get(pk=rows[0].pk).outcome == "Failed"
+
+
+@pytest.mark.parametrize(
+    ("timeout", "period"), [(120, 30.0), (600, 30.0), (10, 2.5), (2, 0.5)], ids=str
+)
+def test_a_touch_period_is_a_quarter_of_the_timeout_at_most_30_s(settings, timeout, period):
+    settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": timeout}
+    assert liveness.touch_every() == period
+    now = timezone.now()
+    assert liveness.silent_before(now) == now - timedelta(seconds=timeout + period)
+
+
+@pytest.mark.asyncio
+async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_token(
+    worker_session, settings, monkeypatch
+):
+    """Every frame is a touch here (the group joined again), but last_seen_at is written, and
+    the token checked, once per touch period (2 s for a timeout of 8 s)."""
+    from sessions import consumer
+
+    monkeypatch.setattr(consumer, "TOUCH_EVERY_SECS", 0.0)
+    settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 8}
+    worker, session = await worker_session()
+    await session.connect()
+    await session.hello()
+
+    def seen():
+        return q(lambda: Worker.objects.get(pk=worker.pk).last_seen_at)
+
+    def revoke(at):
+        return q(lambda: Worker.objects.filter(pk=worker.pk).update(revoked_at=at))
+
+    attached = await seen()
+    await revoke(timezone.now())  # in the table alone: no message to the session
+
+    await session.send({"type": "Draining"})
+    assert await session.silent(0.5)  # within the period: nothing written, still open
+    assert await seen() == attached
+    await revoke(None)
+    await asyncio.sleep(1.6)
+    await session.send({"type": "Draining"})
+    assert await session.silent(0.5)
+    assert await seen() > attached
+    await revoke(timezone.now())
+    await asyncio.sleep(2.1)
+    await session.send({"type": "Draining"})
+    assert await session.ws.receive_output(3) == {"type": "websocket.close", "code": 4403}
+    await session.close()
