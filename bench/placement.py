@@ -131,7 +131,9 @@ class Fleet:
         if head.offer is not None:
             self.answer(worker_id, [(job.job_id, job.paths) for job in head.offer.jobs])
         for kind in kinds:
-            if assignment.request_job(worker_id, kind, worker, head.singles[kind], offered.sizes):
+            if assignment.request_job(
+                worker_id, kind, worker, head.singles[kind], offered.sizes
+            ).assign:
                 raise RuntimeError("a single job was assigned, but the bench queues none")
             self.asked[(worker_id, kind)] = time.monotonic()
 

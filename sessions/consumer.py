@@ -120,6 +120,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.offers_made = 0
         self.asked = False  # the dispatch pass offered members: their scores wake it
         self.singles: set[str] = set()  # single jobs given out, not yet answered
+        # Kinds whose last RequestJob got an idle slot, with no report since: the next one is
+        # a resend, and refreshes the slot (workers.assignment.record_idle).
+        self.idle: set[str] = set()
         self.accepts = FrameQueue(f"worker {self.worker_name} accepts", self.handle, self.failed)
         self.reports = FrameQueue(f"worker {self.worker_name} reports", self.handle, self.failed)
         self.bulk = FrameQueue(f"worker {self.worker_name} bulk", self.handle, self.failed)
@@ -207,6 +210,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self.last_accept = self.accepts.put(message)
         else:
             self.last_report = self.reports.put(message, after=self.last_accept)
+        if not isinstance(message, BULK):
+            self.idle.clear()  # a job answered or ended: the next RequestJob may be new
 
     async def handle(self, message):
         if not self.live:
@@ -320,10 +325,17 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def answer(self, kind: str):
         head = self.head.singles[kind] if self.head is not None else None
         sizes = dict(self.offered.sizes)
-        assign = await db(answer_request)(self.worker_id, kind, self.worker, head, sizes)
-        if assign is not None:
-            self.singles.add(assign.job_id)  # before the worker can answer it
-            await self.reply(assign)
+        resend = kind in self.idle
+        assign = await db(answer_request)(self.worker_id, kind, self.worker, head, sizes, resend)
+        await self.answered(kind, assign)
+
+    async def answered(self, kind: str, assign):
+        if assign is None:
+            self.idle.add(kind)
+            return
+        self.idle.discard(kind)
+        self.singles.add(assign.job_id)  # before the worker can answer it
+        await self.reply(assign)
 
     async def on_JobScores(self, scores: JobScores):
         # One row per job: a job scored twice in one frame keeps its last score (PostgreSQL

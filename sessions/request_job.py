@@ -15,13 +15,16 @@ def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.H
     return offers.offer_head(worker, offered, parts, kinds)
 
 
-def answer_request(worker_id: int, kind: str, worker=None, head=None, sizes=None):
+def answer_request(
+    worker_id: int, kind: str, worker=None, head=None, sizes=None, resend: bool = False
+):
     """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
-    and a cluster may now have its full placement, so the dispatch pass wakes."""
-    assign = assignment.request_job(worker_id, kind, worker, head, sizes)
-    if assign is None:
+    and a cluster may now have its full placement, so the dispatch pass wakes (not for a
+    resend's slot that a pass has seen already)."""
+    answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend)
+    if answer.wake:
         wake_dispatch()
-    return assign
+    return answer.assign
 
 
 def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):

@@ -92,9 +92,9 @@ def test_a_deleted_cluster_leaves_its_jobs_unflagged():
 def test_the_single_path_gives_out_a_member_only_once_its_cluster_has_finished():
     cluster, members, _ = submitted(kinds=("build",))
     worker = WorkerFactory()
-    assert assignment.request_job(worker.pk, JobKind.BUILD) is None
+    assert assignment.request_job(worker.pk, JobKind.BUILD).assign is None
     sql("UPDATE cluster_job SET status = 'Failed' WHERE id = %s", cluster.pk)
-    given = assignment.request_job(worker.pk, JobKind.BUILD)
+    given = assignment.request_job(worker.pk, JobKind.BUILD).assign
     assert given is not None and given.message.job.build == str(members[0].derivation_build_id)
 
 

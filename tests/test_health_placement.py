@@ -102,7 +102,7 @@ def test_a_quarantined_worker_still_gets_single_jobs():
     sick = WorkerFactory(channel_name="live", last_seen_at=timezone.now())
     health.quarantine(sick, "flaky")
     job = BuildFactory()
-    assign = request_job(sick.pk, "build")
+    assign = request_job(sick.pk, "build").assign
     assert assign is not None and assign.job_id == job.job_key
     assert DispatchedJob.objects.get(job_id=job.job_key).worker_id == sick.pk
 

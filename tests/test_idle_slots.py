@@ -1,6 +1,9 @@
 """Idle slots, the planner's only view of free capacity (workers.assignment.record_idle)."""
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from sessions.request_job import answer_request
 from tests.clusterflow import wait_for_lock_waits
@@ -42,8 +45,36 @@ def test_a_worker_seated_since_its_request_counted_gets_no_idle_slot_of_that_kin
     assert slots(worker) == {"eval"}
 
 
+@pytest.mark.django_db
+def test_a_resend_refreshes_its_slot_in_place_and_wakes_the_pass_only_for_a_slot_it_has_not_seen(
+    settings,
+):
+    worker = WorkerFactory(max_concurrent_builds=1)
+    assert record_idle(worker.pk, "build")  # new: a pass may now place a cluster
+    first = IdleSlot.objects.get(worker=worker).recorded_at
+    assert not record_idle(worker.pk, "build", resend=True)
+    assert IdleSlot.objects.get(worker=worker).recorded_at > first
+    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"] + 1)
+    IdleSlot.objects.filter(worker=worker).update(recorded_at=timezone.now() - ttl)
+    assert record_idle(worker.pk, "build", resend=True)  # the planner had stopped trusting it
+    IdleSlot.objects.filter(worker=worker).delete()
+    assert record_idle(worker.pk, "build", resend=True)  # gone: recorded again, room counted
+    assert slots(worker) == {"build"}
+
+
+@pytest.mark.django_db
+def test_a_resend_after_a_claim_took_the_slot_does_not_put_it_back():
+    worker = WorkerFactory(max_concurrent_builds=1)
+    record_idle(worker.pk, "build")
+    BuildFactory(project=ProjectFactory())
+    assert answer_request(worker.pk, "build") is not None  # the claim deletes the slot
+    assert record_idle(worker.pk, "build", resend=True)
+    assert slots(worker) == set()
+
+
+@pytest.mark.parametrize("resend", [False, True], ids=["request", "resend"])
 @pytest.mark.django_db(transaction=True)
-def test_a_request_that_counted_before_a_claim_committed_leaves_no_idle_slot_behind():
+def test_a_request_that_counted_before_a_claim_committed_leaves_no_idle_slot_behind(resend):
     """A resend can reach the idle slot while a claim seats its worker on it: the claim holds
     the slot's row and has written its assignment, uncommitted. Counted from before the
     commit, the worker would have room and the slot would be written again once the claim
@@ -70,7 +101,7 @@ def test_a_request_that_counted_before_a_claim_committed_leaves_no_idle_slot_beh
             finally:
                 claim.commit()
 
-        _, waited = race(lambda: record_idle(worker.pk, "eval"), commit_once_waited_on)
+        _, waited = race(lambda: record_idle(worker.pk, "eval", resend), commit_once_waited_on)
         assert waited
     finally:
         claim.close()

@@ -139,11 +139,11 @@ def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
     reservation = active_reservation()
     seat = reservation.seats.first()
     BuildFactory()  # a single job that would fit
-    assert request_job(seat.worker_id, "build") is None
+    assert request_job(seat.worker_id, "build").assign is None
     assert IdleSlot.objects.filter(worker_id=seat.worker_id, kind="build").exists()
     abort_cluster(cluster.pk, "no longer wanted")  # the cluster leaves the queue
     assert run_pass().reservation == "released: the cluster left the queue"
-    assert request_job(seat.worker_id, "build") is not None
+    assert request_job(seat.worker_id, "build").assign is not None
 
 
 def test_only_one_cluster_holds_a_reservation():
@@ -195,7 +195,7 @@ def test_a_deleted_cluster_drops_its_reservation():
     assert active_reservation() is None
     assert not ClusterReservation.objects.exists()
     BuildFactory()
-    assert request_job(seat.worker_id, "build") is not None
+    assert request_job(seat.worker_id, "build").assign is not None
     assert run_pass().reservation is None
 
 
@@ -234,7 +234,7 @@ def test_a_timed_out_reservation_frees_its_seats_for_single_jobs():
     # Before any new reservation, the freed seats take single jobs.
     for worker_id in seats:
         BuildFactory()
-        assert request_job(worker_id, "build") is not None
+        assert request_job(worker_id, "build").assign is not None
 
 
 def test_after_a_timeout_other_clusters_reserve_first_and_the_clock_starts_again():

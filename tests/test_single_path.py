@@ -25,7 +25,7 @@ def queue(n, project=None):
 
 
 def given(worker, sizes=None) -> str:
-    assign = request_job(worker.pk, "build", sizes=sizes)
+    assign = request_job(worker.pk, "build", sizes=sizes).assign
     assert assign is not None
     # The worker runs it and is free again for the next request.
     DispatchedJob.objects.filter(job_id=assign.job_id).update(finished_at="2026-01-01T00:00Z")
@@ -82,7 +82,7 @@ def test_workers_racing_for_one_head_each_get_a_job_of_their_own():
     workers = WorkerFactory.create_batch(8)
     jobs = queue(8)
     for _ in range(20):
-        given_now = race(*[lambda w=w: request_job(w.pk, "build") for w in workers])
+        given_now = race(*[lambda w=w: request_job(w.pk, "build").assign for w in workers])
         assert all(given_now), given_now
         keys = [a.job_id for a in given_now]
         assert sorted(keys) == sorted(j.job_key for j in jobs)
@@ -95,4 +95,4 @@ def test_a_claim_passes_over_a_job_another_transaction_holds():
     worker = WorkerFactory()
     held, free = queue(2)
     with rows_locked(DerivationBuild.objects.filter(pk=held.pk)):
-        assert request_job(worker.pk, "build").job_id == free.job_key
+        assert request_job(worker.pk, "build").assign.job_id == free.job_key

@@ -8,8 +8,10 @@ of free capacity.
 import functools
 import uuid
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import NamedTuple
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 from pydantic_core import to_json
@@ -211,12 +213,34 @@ WHERE s.worker_id = room.id AND s.kind = %(kind)s::text AND NOT room.free
 """
 
 
-def record_idle(worker_id: int, kind: str) -> None:
-    params = {"worker": worker_id, "kind": kind, "now": timezone.now()}
+# A resend (a worker asks again every 10 s while a slot stays free) refreshes its slot in place:
+# a row that still exists has room behind it, since every claim that takes a slot deletes its
+# row, and an update cannot put back a row that a claim deleted. It returns the time replaced.
+REFRESH_IDLE_SQL = """
+UPDATE idle_slot s SET recorded_at = %(now)s
+FROM idle_slot o
+WHERE s.worker_id = %(worker)s AND s.kind = %(kind)s::text
+  AND o.worker_id = s.worker_id AND o.kind = s.kind
+RETURNING o.recorded_at
+"""
+
+
+def record_idle(worker_id: int, kind: str, resend: bool = False) -> bool:
+    """Record the slot; with `resend`, refresh it if it is still there. False only for a slot
+    refreshed while the planner still trusted it: no pass needs waking for it."""
+    now = timezone.now()
+    params = {"worker": worker_id, "kind": kind, "now": now}
+    if resend:
+        with connection.cursor() as cursor:
+            cursor.execute(REFRESH_IDLE_SQL, params)
+            replaced = cursor.fetchone()
+        if replaced is not None:
+            return replaced[0] < now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     # The atomic block opens the connection before the pipeline is asked of it.
     with transaction.atomic(), connection.wrap_database_errors, connection.connection.pipeline():
         send(LOCK_IDLE_SQL, params)
         send(RECORD_IDLE_SQL, params)
+    return True
 
 
 def clear_idle(worker_id: int, kind: str | None = None) -> None:
@@ -236,22 +260,30 @@ class RenderedAssign(Rendered):
         self.job_id = job_id
 
 
+class Answer(NamedTuple):
+    assign: RenderedAssign | None
+    wake: bool  # an idle slot was recorded that no pass has seen: a placement may complete
+
+
 def request_job(
     worker_id: int,
     kind: str,
     worker: Worker | None = None,
     head: list[HeadJob] | None = None,
     sizes: Mapping[str, int | None] | None = None,
-) -> RenderedAssign | None:
+    resend: bool = False,
+) -> Answer:
     """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
-    take now, or None after recording an idle slot (none when it is full, draining or cannot
+    take now, or none after recording an idle slot (none when it is full, draining or cannot
     serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
-    worker's scores of them (workers.offers.Offered); without them the head is read now."""
+    worker's scores of them (workers.offers.Offered); without them the head is read now.
+    `resend`: the session answered this kind with an idle slot last, and the worker reported
+    nothing since (record_idle then refreshes the slot it finds)."""
     worker = worker or Worker.objects.get(pk=worker_id)
     how = offerable(worker, kind)
     if how is None or worker.draining:
         clear_idle(worker_id, kind)
-        return None
+        return Answer(None, False)
     for read in range(HEAD_READS):
         jobs = head if read == 0 and head is not None else read_singles(worker, how)
         if not jobs:
@@ -259,16 +291,14 @@ def request_job(
         claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0])
         if claimed.no_room:
             clear_idle(worker_id, kind)
-            return None
+            return Answer(None, False)
         if claimed.reserved:
             # A reserved seat: no new single job of this kind, and its idle slot is what lets
             # the reservation commit.
-            record_idle(worker_id, kind)
-            return None
+            break
         if claimed.job is not None:
-            return assign_frame(claimed)
-    record_idle(worker_id, kind)
-    return None
+            return Answer(assign_frame(claimed), False)
+    return Answer(None, record_idle(worker_id, kind, resend))
 
 
 def assign_job(

@@ -95,7 +95,7 @@ def other_workers_state():
     assert attempt.started_at is not None and attempt.finished_at is None
     other = WorkerFactory(name="other")
     BuildFactory()
-    single = assignment.request_job(other.pk, "build")
+    single = assignment.request_job(other.pk, "build").assign
     assert single is not None
     others = [
         (single.job_id, single.message.assignment_id),

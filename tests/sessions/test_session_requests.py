@@ -151,6 +151,46 @@ async def test_an_empty_answer_records_an_idle_slot_and_an_assignment_clears_it(
     await session.close()
 
 
+async def test_a_resend_refreshes_its_idle_slot_and_wakes_the_pass_once(
+    worker_session, monkeypatch
+):
+    """A worker asks again every 10 s while a slot stays free: that RequestJob refreshes the
+    slot without waking the pass, which has seen it; after a job ran, the slot is new again."""
+    woken = []
+    monkeypatch.setattr("sessions.request_job.wake_dispatch", lambda: woken.append(1))
+
+    def recorded():
+        return q(lambda: IdleSlot.objects.get(kind="build").recorded_at)
+
+    _, session = await worker_session()
+    await session.connect()
+    await session.hello()
+    await session.send({"type": "RequestJob", "kind": "build"})
+    assert await session.silent()
+    first = await recorded()
+    await session.send({"type": "RequestJob", "kind": "build"})
+    assert await session.silent()
+    assert await recorded() > first
+    assert len(woken) == 1
+    await q(lambda: BuildFactory())
+    await session.send({"type": "RequestJob", "kind": "build"})
+    assign = await session.recv_type("AssignJob")
+    assert not await q(lambda: IdleSlot.objects.exists())
+    await session.send(
+        {
+            "type": "JobCompleted",
+            "job_id": assign["job_id"],
+            "assignment_id": assign["assignment_id"],
+            "elapsed_ms": 5,
+        }
+    )
+    await session.send({"type": "RequestJob", "kind": "build"})
+    assert await session.silent()
+    assert await q(lambda: IdleSlot.objects.filter(kind="build").count()) == 1
+    assert len(woken) == 2
+    await session.close()
+
+
 async def test_draining_clears_idle_slots_and_stops_new_work(worker_session):
     _, session = await worker_session()
     await session.connect()
