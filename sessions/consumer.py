@@ -38,7 +38,7 @@ from sessions import connection, reports
 from sessions.connection import bearer_token
 from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 from sessions.rate_limit import TokenBucket
-from sessions.request_job import answer_request, read_head
+from sessions.request_job import answer_request, read_and_answer, read_head
 from sessions.starts import STARTS_FIRST_SECS, Starts, leave_replaced, session_starts
 from sessions.threads import accept_db, db, handshake_db, report_db
 from workers import liveness, offers
@@ -301,17 +301,22 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             if self.awaiting.count(request.kind) < self.slots.get(request.kind, 0):
                 self.awaiting.append(request.kind)
             return
-        self.head = await db(read_head)(self.worker, self.offered, (request.kind,))
+        kind = request.kind
+        self.head, answered, assign = await db(read_and_answer)(
+            self.worker, self.offered, kind, kind in self.idle
+        )
+        if answered:
+            await self.answered(kind, assign)
+            return
+        await self.reply(self.head.offer)
         wait = settings.GRADIENT["SCORE_WAIT_MS"] / 1000
-        if self.head.offer is not None:
-            await self.reply(self.head.offer)
-            if wait:
-                self.awaiting.append(request.kind)
-                self.offers_made += 1
-                later = ScoresLate(self.offers_made)
-                asyncio.get_running_loop().call_later(wait, self.bulk.put, later)
-                return
-        await self.answer(request.kind)
+        if wait:
+            self.awaiting.append(kind)
+            self.offers_made += 1
+            later = ScoresLate(self.offers_made)
+            asyncio.get_running_loop().call_later(wait, self.bulk.put, later)
+            return
+        await self.answer(kind)
 
     async def on_ScoresLate(self, late: "ScoresLate"):
         if late.offer == self.offers_made:

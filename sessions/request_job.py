@@ -27,6 +27,17 @@ def answer_request(
     return answer.assign
 
 
+def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = False):
+    """A RequestJob's head read and, when it holds nothing new to score, the answer too, in
+    one call: a session's call to its database threads costs about 0.17 ms of daphne's CPU.
+    Returns the head, whether it was answered, and the AssignJob (or None)."""
+    head = read_head(worker, offered, (kind,))
+    if head.offer is not None:
+        return head, False, None
+    sizes = dict(offered.sizes)
+    return head, True, answer_request(worker.pk, kind, worker, head.singles[kind], sizes, resend)
+
+
 def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
     """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
     None), with no wait for the scores in between; a session waits for them."""

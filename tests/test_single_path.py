@@ -96,3 +96,26 @@ def test_a_claim_passes_over_a_job_another_transaction_holds():
     held, free = queue(2)
     with rows_locked(DerivationBuild.objects.filter(pk=held.pk)):
         assert request_job(worker.pk, "build").assign.job_id == free.job_key
+
+
+def test_a_request_is_answered_with_its_read_unless_the_head_has_jobs_to_score(monkeypatch):
+    """sessions.request_job.read_and_answer: one call when nothing new is offered; with new
+    jobs, the offer alone, and the answer waits for their scores."""
+    from sessions import request_job as answering
+    from workers.models import IdleSlot
+    from workers.offers import Offered
+
+    monkeypatch.setattr(answering, "wake_dispatch", lambda: None)
+    worker = WorkerFactory()
+    offered = Offered()
+    head, answered, assign = answering.read_and_answer(worker, offered, "build")
+    assert head.offer is None and answered and assign is None
+    assert IdleSlot.objects.filter(worker=worker, kind="build").exists()
+    job = BuildFactory()
+    head, answered, assign = answering.read_and_answer(worker, offered, "build", resend=True)
+    assert [j.job_id for j in head.offer.jobs] == [f"build:{job.pk}"]
+    assert not answered and assign is None
+    assert not DispatchedJob.objects.exists()
+    head, answered, assign = answering.read_and_answer(worker, offered, "build", resend=True)
+    assert head.offer is None and answered and assign.job_id == f"build:{job.pk}"
+    assert not IdleSlot.objects.filter(worker=worker).exists()
