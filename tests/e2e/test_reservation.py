@@ -17,10 +17,6 @@ JOB_SECS = (1.5, 2.5)
 INTERVAL = float(FAST["GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS"])
 # A frame's round trip through daphne, Celery and PostgreSQL on a loaded machine of 2 cores.
 LATENCY = 0.5
-# From a beat tick to the reservation's stamp: Celery's pick-up of the tick, then the pass's
-# own work before it stamps (snapshot, plan, target). On a slow hour of this shared host
-# (reference loop 0.33 s) 2 runs of 17 took over 0.5 s; one took 0.52 s.
-PASS_LATENCY = 1.0
 
 
 async def test_a_cluster_never_seeing_enough_idle_workers_starts_through_a_reservation(
@@ -75,7 +71,7 @@ async def test_a_cluster_never_seeing_enough_idle_workers_starts_through_a_reser
     starting = (clock - submitted).total_seconds()
     assert 0 <= starting < INTERVAL + LATENCY, starting
     reserving = (reserved_at - clock).total_seconds()
-    assert RESERVE_AFTER <= reserving < RESERVE_AFTER + INTERVAL + PASS_LATENCY, reserving
+    assert RESERVE_AFTER <= reserving < RESERVE_AFTER + INTERVAL + LATENCY, reserving
     # Never placed the ordinary way: the one attempt is the reservation's commit, on its seats.
     assert reservation.release_reason == "committed"
     assert claimed_at > reserved_at
