@@ -5,9 +5,8 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 
-# At most this long between a session's writes of last_seen_at: a write per session every few
-# seconds was a statement per worker per few seconds, the part of a busy server's work that
-# grew with the fleet rather than with the jobs.
+# At most this long between a session's writes of last_seen_at: each write is a statement per
+# worker, work that grows with the fleet rather than with the jobs.
 LONGEST_TOUCH_SECS = 30.0
 
 
