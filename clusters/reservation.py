@@ -175,7 +175,6 @@ def reserve(placement: planner.Placement) -> ClusterReservation | None:
     """Hold the placement's seats; None when another cluster holds the reservation."""
     try:
         with transaction.atomic(durable=True):
-            # Stamped now, not at the pass's start: from here on its seats get no single job.
             reservation = ClusterReservation.objects.create(
                 cluster_job_id=placement.cluster_id, created_at=timezone.now()
             )
@@ -190,6 +189,10 @@ def reserve(placement: planner.Placement) -> ClusterReservation | None:
             )
     except IntegrityError:
         return None  # one at a time: another pass reserved first
+    # Stamped again once committed: a claim's statement that began before the commit did not
+    # see the seats held, and its dispatched_at is earlier than this.
+    reservation.created_at = timezone.now()
+    ClusterReservation.objects.filter(pk=reservation.pk).update(created_at=reservation.created_at)
     log.info(
         "cluster %s reserved %s",
         placement.cluster_id,

@@ -1,5 +1,6 @@
 """Aging reservations on the real passes, with short settings."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -11,11 +12,11 @@ from django.utils import timezone
 from clusters.abort import abort_cluster
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
-from clusters.reservation import active_reservation, first_target, reserve
+from clusters.reservation import active_reservation, due, first_target, reserve
 from clusters.tracking import note_waiting, startable_clusters
-from gradient.jobs.models import DerivationBuild
+from gradient.jobs.models import DerivationBuild, DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
-from tests.concurrency import rows_locked
+from tests.concurrency import race, rows_locked
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -311,3 +312,64 @@ def test_the_clocks_skip_a_row_another_transaction_holds():
         assert waiting_since(held) is None and waiting_since(free) is not None
     note_waiting([held.pk, free.pk], timezone.now())  # the next pass catches up
     assert waiting_since(held) is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_single_claimed_while_a_reservation_commits_was_dispatched_before_its_stamp():
+    # A claim cannot see a reservation before it commits. So the stamp that says "from here on
+    # no single job" must come after the commit, or a seat's single claimed in between would
+    # look given out while held. The reservation's commit here waits on a lock the test holds.
+    cluster = cluster_aged(120)
+    busy_workers(2)
+    now = timezone.now()
+    target = first_target(due(startable_clusters(now), set(), now), now)
+    seat = target.seats[0]
+    single = BuildFactory()
+    gate = 7_400_001
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION test_hold_seats() RETURNS trigger LANGUAGE plpgsql AS"
+            f" $$ BEGIN PERFORM pg_advisory_xact_lock({gate}); RETURN NULL; END $$;"
+            " CREATE TRIGGER test_hold_seats AFTER INSERT ON reservation_seat"
+            " FOR EACH STATEMENT EXECUTE FUNCTION test_hold_seats()"
+        )
+        cursor.execute("SELECT pg_advisory_lock(%s)", [gate])
+    reserving = threading.Thread(target=lambda: (reserve(target), connection.close()))
+    try:
+        reserving.start()
+        until_waiting_on(gate)
+        # The reservation is written but not committed: the claim does not see it.
+        [claimed] = race(lambda: request_job(seat.worker.id, "build").assign)
+        assert claimed is not None and claimed.job_id == single.job_key
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [gate])
+        reserving.join(30)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER test_hold_seats ON reservation_seat; DROP FUNCTION test_hold_seats()"
+            )
+    reservation = active_reservation()
+    assert reservation.cluster_job_id == cluster.pk
+    dispatched = DispatchedJob.objects.get(job_id=single.job_key)
+    assert dispatched.worker_id == seat.worker.id
+    assert dispatched.dispatched_at < reservation.created_at
+    # Once committed, the seat gets no single job.
+    BuildFactory()
+    assert request_job(seat.worker.id, "build").assign is None
+
+
+def until_waiting_on(lock_id, timeout=10):
+    """Until another backend waits for the advisory lock."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                " AND objid = %s AND NOT granted)",
+                [lock_id],
+            )
+            if cursor.fetchone()[0]:
+                return
+        time.sleep(0.01)
+    raise AssertionError("no backend waited for the lock")
