@@ -230,6 +230,29 @@ def test_the_head_is_read_by_index_to_the_window_whatever_the_queue_behind_it():
         assert all(rows <= 32 + 1 for rows in read.values()), read
 
 
+def test_a_worker_of_one_project_reads_none_of_another_projects_deep_queue():
+    """Its project has nothing queued, another has thousands: PostgreSQL guessed that a
+    project filter keeps half the rows and walked the whole queue's index to fill the window."""
+    mine, busy = ProjectFactory(), ProjectFactory()
+    worker = WorkerFactory(all_projects=False)
+    worker.projects.set([mine])
+    Evaluation.objects.bulk_create(Evaluation(project=busy) for _ in range(2000))
+    DerivationBuild.objects.bulk_create(
+        DerivationBuild(project=busy, status="Queued") for _ in range(2000)
+    )
+    with db_connection.cursor() as cursor:
+        cursor.execute("ANALYZE evaluation, derivation_build")
+    for call in (
+        lambda: offered(worker),
+        lambda: read_singles(worker, offerable(worker, "eval")),
+        lambda: read_singles(worker, offerable(worker, "build")),
+    ):
+        read = head_walks(call)
+        assert sum(read.values()) == 0, read
+    Evaluation.objects.bulk_create(Evaluation(project=mine) for _ in range(40))
+    assert len(read_singles(worker, offerable(worker, "eval"))) == 32
+
+
 def test_a_request_is_offered_the_head_of_its_own_kind():
     worker, memory = WorkerFactory(), offers.Offered()
     build, evaluation = BuildFactory(), EvaluationFactory()

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from django.conf import settings
 from django.db import connection
 
-from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
+from gradient.jobs.models import EVERY_PROJECT_SQL, BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.steps import BUILD_STEPS, FETCH_STEPS, FOLLOW_UP_STEPS, FULL_STEPS
 from gradient.wire.keys import PREFIX
 from workers.models import Worker
@@ -80,7 +80,9 @@ FEATURES_SQL = "coalesce(j.required_features <@ %(features)s, false)"
 # of them all. ({walk} is one range's rows.) The architectures are a VALUES list of as many
 # parameters as the worker has: unnest of an array parameter counts as a hundred rows in a
 # prepared statement's generic plan, which then looks too dear to use, and PostgreSQL planned
-# the offer afresh at every call (8 ms, four times its run).
+# the offer afresh at every call (8 ms, four times its run). The walk over every project
+# states the condition of its index alone (`every_project`), so a walk of one project reads
+# its project's index (gradient.jobs.models.EVERY_PROJECT).
 ACCESS_SQL = """
 SELECT h.* FROM (
     SELECT r.* FROM {architectures} AS a(architecture)
@@ -118,13 +120,19 @@ LIMIT {window}
 
 
 def access_sql(
-    walk: str, order: str, window: int, architectures: int, project: str = "j.project_id"
+    walk: str,
+    order: str,
+    window: int,
+    architectures: int,
+    project: str = "j.project_id",
+    every_project: str = "",
 ) -> str:
     """A head part over every range the worker may take from, for a worker of this many
     architectures: `walk` has {project} where the condition on the range's project goes,
-    `project` the column it tests."""
+    `project` the column it tests; `every_project` is what the walk over every project
+    states instead (its index's own condition)."""
     return ACCESS_SQL.format(
-        walk=walk.replace("{project}", ""),
+        walk=walk.replace("{project}", every_project),
         walk_project=walk.replace("{project}", f"AND {project} = wp.project_id"),
         order=order,
         window=window,
@@ -204,4 +212,7 @@ def _singles_sql(kind: str, statuses: tuple[str, ...], window: int, architecture
         window=window,
         project="{project}",
     )
-    return access_sql(walk, "h.prioritized DESC, h.created_at ASC", window, architectures)
+    every = f"AND {EVERY_PROJECT_SQL}"
+    return access_sql(
+        walk, "h.prioritized DESC, h.created_at ASC", window, architectures, every_project=every
+    )

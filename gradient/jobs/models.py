@@ -37,6 +37,13 @@ class EvaluationStatus(models.TextChoices):
 
 
 E = EvaluationStatus
+
+# Always true (created_at is NOT NULL), and stated only by the head's walk over every project,
+# so a walk of one project cannot use the index over every project. PostgreSQL guesses that a
+# project keeps 1/n_distinct of the queue, and would walk that index past another project's
+# thousands of jobs to fill the window of a project with none (workers.head.ACCESS_SQL).
+EVERY_PROJECT = Q(created_at__isnull=False)
+EVERY_PROJECT_SQL = "j.created_at IS NOT NULL"
 EVALUATION_TERMINAL = frozenset({E.COMPLETED, E.FAILED, E.ABORTED})
 # An evaluation can be claimed while it is not finished (the claim's start condition).
 EVALUATION_STARTABLE = frozenset(set(E) - EVALUATION_TERMINAL)
@@ -135,11 +142,12 @@ class Evaluation(JobFields):
             # (Queued, or Fetching for the follow-up of a split one) in the single path's
             # order, read up to the window per architecture (and per project for a worker
             # limited to some). Members and finished evaluations are left out, so the read
-            # walks no further than the jobs a worker could take.
+            # walks no further than the jobs a worker could take. EVERY_PROJECT keeps the
+            # walks of one project off the first index (workers.head).
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",
-                condition=Q(status__in=[E.QUEUED, E.FETCHING], active_member=False),
+                condition=Q(status__in=[E.QUEUED, E.FETCHING], active_member=False) & EVERY_PROJECT,
             ),
             models.Index(
                 fields=["project", "architecture", "-prioritized", "created_at"],
@@ -172,7 +180,7 @@ class DerivationBuild(JobFields):
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-derivation_build-head",
-                condition=Q(status=B.QUEUED, active_member=False),
+                condition=Q(status=B.QUEUED, active_member=False) & EVERY_PROJECT,
             ),
             models.Index(
                 fields=["project", "architecture", "-prioritized", "created_at"],
