@@ -3,10 +3,10 @@
     bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
 
 NAME is any of: claim, dispatch-pass, gang-start, throughput, queue-depth, placement, storm,
-retention, health (default: all, in that order). Each runs as its own process (`.venv/bin/python
-bench/<script>.py ... --write DOC`), with the command that its section then quotes; a failing
-one is reported and the rest still run. Exits non-zero when any failed. The machine should be
-quiet: the figures move with the load average, which each section records.
+retention, health, session (default: all, in that order). Each runs as its own process
+(`.venv/bin/python bench/<script>.py ... --write DOC`), with the command that its section then
+quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
+machine should be quiet: the figures move with the load average, which each section records.
 
 A new benchmark is a script here and a NAME in BENCHES. If its figures have targets, it returns
 them as `_common.Figure` rows and hands them, with its NAME, to `_common.finish` (or
@@ -35,6 +35,7 @@ BENCHES = {
     "storm": ["bench/storm.py"],
     "retention": ["bench/retention.py"],
     "health": ["bench/health.py"],
+    "session": ["bench/session.py"],
 }
 
 

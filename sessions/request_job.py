@@ -29,8 +29,9 @@ def answer_request(
 
 def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = False):
     """A RequestJob's head read and, when it holds nothing new to score, the answer too, in
-    one call: a session's call to its database threads costs about 0.17 ms of daphne's CPU.
-    Returns the head, whether it was answered, and the AssignJob (or None)."""
+    one call: a call to the session's database threads costs about 0.15 ms of CPU
+    (docs/benchmarks.md, session costs). Returns the head, whether it was answered, and the
+    AssignJob (or None)."""
     head = read_head(worker, offered, (kind,))
     if head.offer is not None:
         return head, False, None

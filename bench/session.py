@@ -1,0 +1,382 @@
+"""What a connected session costs the server per call, at two sizes of fleet and queue.
+
+    .venv/bin/python bench/session.py [--sizes 100x500,5000x20000] [--calls N]
+                                      [--write docs/benchmarks.md]
+
+The work a connected worker causes whatever its jobs (docs/design.md, "a connected session" and
+"a RequestJob"), each operation called in a loop in this process, round robin over the fleet:
+
+- touch: the liveness write (`sessions.connection.touch`);
+- slot refresh: a resend's idle slot, still in place (`record_idle(resend=True)`);
+- slot record: the full record, with its lock and count (`record_idle(resend=False)`);
+- resend: a RequestJob with nothing new to score and nothing to give, read and answered
+  (`sessions.request_job.read_and_answer`): the head read, the single path, the slot refreshed;
+- group join: the channel layer's `group_add` on Redis;
+- thread hop: an empty call through the sessions' frame threads (`sessions.threads.db`).
+
+A size WxQ: W connected build workers with an idle build slot each, allowed one project, and Q
+queued builds: half singles of another project (no worker may take them, so the single path
+reads a deep queue and gives nothing), half members of 2-build clusters of the workers' project.
+Before timing, every worker's first RequestJob was offered its head's members (its job_score
+rows), as on a fleet that has run a while; so the resend's head holds nothing new.
+
+Per operation: wall ms per call (mean), and CPU ms per call of this process (its threads), of
+the PostgreSQL backends serving the database and of the Redis server (INFO's used_cpu), from
+/proc. The target: no operation's CPU per call grows by more than half from the smallest size
+to the largest.
+
+It uses its own database (default gradient_bench_session; created and migrated when missing,
+emptied before each size) and Redis database 12.
+"""
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
+REDIS_DB = 12
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_session"
+SECTION = "## Session costs"
+BENCH = "session"  # its name in bench/run, which its summary rows carry
+WARMUP_CALLS = 200
+TARGET_GROWTH = 1.5  # CPU per call at the largest size over the smallest, every operation
+OPERATIONS = ("touch", "slot refresh", "slot record", "resend", "group join", "thread hop")
+
+
+def populate(workers: int, queued: int) -> list:
+    """The fleet and the queue, in bulk; returns the workers."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from clusters.models import ClusterJob, ClusterMember
+    from gradient.jobs.models import BuildStatus, DerivationBuild, Project
+    from workers.models import IdleSlot, Worker
+
+    now = timezone.now()
+    members_of, singles_of = Project.objects.bulk_create(
+        [Project(name="bench-members"), Project(name="bench-singles")]
+    )
+    fleet = Worker.objects.bulk_create(
+        Worker(
+            name=f"w-{i}",
+            token_hash=f"{i:064x}",
+            all_projects=False,
+            architectures=["x86_64-linux"],
+            max_concurrent_builds=1,
+            max_concurrent_evals=0,
+            can_eval=False,
+            can_build=True,
+            channel_name=f"bench.channel!{i}",
+            connected_at=now,
+            last_seen_at=now,
+        )
+        for i in range(workers)
+    )
+    Worker.projects.through.objects.bulk_create(
+        Worker.projects.through(worker_id=w.pk, project_id=members_of.pk) for w in fleet
+    )
+    IdleSlot.objects.bulk_create(IdleSlot(worker=w, kind="build", recorded_at=now) for w in fleet)
+    DerivationBuild.objects.bulk_create(
+        (
+            DerivationBuild(project=singles_of, status=BuildStatus.QUEUED)
+            for _ in range(queued // 2)
+        ),
+        batch_size=5000,
+    )
+    # Seen able to start by a pass: only such clusters' members are offered.
+    clusters = ClusterJob.objects.bulk_create(
+        (ClusterJob(project=members_of, waiting_since=now) for _ in range(queued // 4)),
+        batch_size=5000,
+    )
+    builds = DerivationBuild.objects.bulk_create(
+        (
+            DerivationBuild(project=members_of, status=BuildStatus.QUEUED)
+            for _ in range(2 * len(clusters))
+        ),
+        batch_size=5000,
+    )
+    ClusterMember.objects.bulk_create(
+        (
+            ClusterMember(cluster_job=c, derivation_build=builds[2 * i + n], role=f"m{n}")
+            for i, c in enumerate(clusters)
+            for n in range(2)
+        ),
+        batch_size=5000,
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    return fleet
+
+
+def first_requests(fleet: list) -> dict:
+    """Every worker's first RequestJob: its head's members offered (job_score rows). Returns
+    each worker's offers as its session keeps them."""
+    from django.db import connection
+
+    from sessions.request_job import read_and_answer
+    from workers.offers import Offered
+
+    offered = {}
+    for worker in fleet:
+        offered[worker.pk] = Offered()
+        read_and_answer(worker, offered[worker.pk], "build", resend=False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM job_score")
+        rows = cursor.fetchone()[0]
+        cursor.execute("VACUUM ANALYZE")
+        cursor.execute("CHECKPOINT")
+    return {"offered": offered, "job_score": rows}
+
+
+class Meter:
+    """CPU seconds of this process, the database's backends and the Redis server."""
+
+    def __init__(self, redis, database_url: str):
+        import psycopg
+
+        self.redis = redis
+        # A connection of its own, not Django's: it is read from the event loop too.
+        self.db = psycopg.connect(database_url, autocommit=True)
+
+    def _backends(self) -> dict[int, float]:
+        rows = self.db.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall()
+        return {pid: common.cpu_secs(pid, children=False) for (pid,) in rows}
+
+    def _redis(self) -> float:
+        info = self.redis.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def start(self) -> None:
+        self.backends = self._backends()
+        self.redis_cpu = self._redis()
+        self.process = time.process_time()
+        self.wall = time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.wall
+        process = time.process_time() - self.process
+        redis = self._redis() - self.redis_cpu
+        backends = self._backends()
+        # A backend first seen now (a frame thread's connection) spent all its CPU since.
+        postgres = sum(secs - self.backends.get(pid, 0.0) for pid, secs in backends.items())
+        return {"wall": wall, "process": process, "postgres": postgres, "redis": redis}
+
+
+def operations(fleet: list, offered: dict) -> dict[str, Callable[[int], object]]:
+    """Each operation as a call on the i-th worker (round robin over the fleet)."""
+    from channels.layers import get_channel_layer
+
+    from gradient.wire.groups import worker_group
+    from sessions.connection import touch
+    from sessions.request_job import read_and_answer
+    from sessions.threads import db
+    from workers.assignment import record_idle
+
+    layer = get_channel_layer()
+    hop = db(lambda: None)
+
+    def nth(i):
+        return fleet[i % len(fleet)]
+
+    def resend(i):
+        worker = nth(i)
+        head, answered, assign = read_and_answer(worker, offered[worker.pk], "build", True)
+        assert answered and assign is None and head.offer is None, "the resend found work"
+
+    return {
+        "touch": lambda i: touch(nth(i).pk, nth(i).channel_name),
+        "slot refresh": lambda i: record_idle(nth(i).pk, "build", resend=True),
+        "slot record": lambda i: record_idle(nth(i).pk, "build", resend=False),
+        "resend": resend,
+        "group join": lambda i: layer.group_add(worker_group(nth(i).pk), nth(i).channel_name),
+        "thread hop": lambda i: hop(),
+    }
+
+
+def timed(call: Callable[[int], object], calls: int, meter: Meter) -> dict[str, float]:
+    """The calls' costs, per call in ms; an awaitable's calls run on one event loop."""
+    probe = call(0)
+    if asyncio.iscoroutine(probe):
+
+        async def loop(first, count):
+            for i in range(first, first + count):
+                await call(i)
+
+        async def both():
+            await probe
+            await loop(1, WARMUP_CALLS)
+            meter.start()
+            await loop(WARMUP_CALLS + 1, calls)
+            return meter.stop()
+
+        spent = asyncio.run(both())
+    else:
+        for i in range(1, WARMUP_CALLS + 1):
+            call(i)
+        meter.start()
+        for i in range(WARMUP_CALLS + 1, WARMUP_CALLS + 1 + calls):
+            call(i)
+        spent = meter.stop()
+    return {part: 1000 * secs / calls for part, secs in spent.items()}
+
+
+def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) -> list[dict]:
+    common.ensure_database()
+    fleet = populate(workers, queued)
+    first = first_requests(fleet)
+    meter = Meter(redis, database_url)
+    rows = []
+    for name, call in operations(fleet, first["offered"]).items():
+        per_call = timed(call, calls, meter)
+        rows.append(
+            {"operation": name, "workers": workers, "queued": queued, "calls": calls, **per_call}
+        )
+        rows[-1]["job_score"] = first["job_score"]
+        print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = [
+    "operation",
+    "workers",
+    "queued",
+    "calls",
+    "wall ms/call",
+    "CPU ms/call: this process",
+    "PostgreSQL",
+    "Redis",
+    "all",
+]
+
+
+def cpu(r: dict) -> float:
+    return r["process"] + r["postgres"] + r["redis"]
+
+
+def table_row(r: dict) -> list:
+    return [
+        r["operation"],
+        f"{r['workers']:,}",
+        f"{r['queued']:,}",
+        f"{r['calls']:,}",
+        f"{r['wall']:.3f}",
+        f"{r['process']:.3f}",
+        f"{r['postgres']:.3f}",
+        f"{r['redis']:.3f}",
+        f"{cpu(r):.3f}",
+    ]
+
+
+def growth(rows: list[dict]) -> dict[str, float]:
+    """Each operation's CPU per call at the largest size over the smallest."""
+    out = {}
+    for name in OPERATIONS:
+        of = sorted((r for r in rows if r["operation"] == name), key=lambda r: r["workers"])
+        if len(of) >= 2 and cpu(of[0]) > 0:
+            out[name] = cpu(of[-1]) / cpu(of[0])
+    return out
+
+
+def figures(rows: list[dict]) -> list[common.Figure]:
+    grown = growth(rows)
+    if not grown:
+        return []
+    worst = max(grown, key=grown.get)
+    sizes = sorted({(r["workers"], r["queued"]) for r in rows})
+    (w0, q0), (w1, q1) = sizes[0], sizes[-1]
+    return [
+        common.Figure(
+            f"session costs: CPU per call at {w1:,} workers and {q1:,} queued over"
+            f" {w0:,} and {q0:,}, the most grown operation",
+            f"≤ {TARGET_GROWTH:g}x",
+            f"{grown[worst]:.2f}x ({worst})",
+            grown[worst] <= TARGET_GROWTH,
+        )
+    ]
+
+
+def method(calls: int) -> list[str]:
+    return [
+        "Operations: touch, the liveness write (`sessions.connection.touch`); slot refresh, a"
+        " resend's idle slot still in place (`record_idle(resend=True)`); slot record, the full"
+        " record with its lock and count; resend, a RequestJob with nothing new to score and"
+        " nothing to give (`read_and_answer`: the head read, the single path, the slot"
+        " refreshed); group join, the channel layer's `group_add` on Redis; thread hop, an"
+        " empty call through the sessions' frame threads.",
+        "A size: W connected build workers, an idle build slot each, allowed one project; Q"
+        " queued builds, half singles of another project (the single path reads a deep queue"
+        " and gives nothing), half members of 2-build clusters of the workers' project. Every"
+        " worker's first RequestJob was offered its head's members first (job_score rows in"
+        " the table), so a resend's head holds nothing new.",
+        f"Calls: {WARMUP_CALLS} untimed, then {calls:,} timed, round robin over the fleet, in"
+        " this one process (its own connection; the hop's threads have theirs).",
+        "A row: wall ms per call (mean); CPU ms per call of this process, of the database's"
+        " PostgreSQL backends and of the Redis server (INFO's used_cpu), from /proc.",
+        f"Target: no operation's CPU per call grows by more than {TARGET_GROWTH:g}x from the"
+        " smallest size to the largest, the fleet 50 times and the queue 40 times larger.",
+    ]
+
+
+def section(command: str, rows: list[dict], calls: int, load: str) -> str:
+    body = common.table(HEADER, [table_row(r) for r in rows], align="---:")
+    job_scores = ", ".join(
+        f"{r['job_score']:,} at {r['workers']:,} workers" for r in rows if r["operation"] == "touch"
+    )
+    facts = [*common.run_facts(command, load), f"job_score rows: {job_scores}."]
+    lead = (
+        "What each connected worker costs the server per call, whatever its jobs, at two sizes"
+        " of fleet and queue far apart (see `bench/session.py`)."
+    )
+    return common.section_text(SECTION, lead, method(calls), facts, body)
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100x500,5000x20000", help="WORKERSxQUEUED,...")
+    parser.add_argument("--calls", type=int, default=3000, help="timed calls per operation")
+    parser.add_argument("--database", default=DATABASE_URL)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    command = shlex.join([".venv/bin/python", "bench/session.py", *sys.argv[1:]])
+    common.setup(args.database, REDIS_DB)
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    print(command, flush=True)
+    before = common.load()
+    rows = []
+    for workers, queued in parse_sizes(args.sizes):
+        rows += bench_size(workers, queued, args.calls, client, args.database)
+    load = f"{before} at the start, {common.load()} at the end"
+    common.finish(
+        HEADER,
+        [table_row(r) for r in rows],
+        args.write,
+        SECTION,
+        lambda: section(command, rows, args.calls, load),
+        crashed=False,
+        bench=BENCH,
+        figures=figures(rows),
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GRADIENT_LOG_LEVEL", "WARNING")
+    main()
