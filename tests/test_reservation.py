@@ -16,7 +16,7 @@ from clusters.reservation import active_reservation, due, first_target, reserve
 from clusters.tracking import note_waiting, startable_clusters
 from gradient.jobs.models import DerivationBuild, DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
-from tests.concurrency import race, rows_locked
+from tests.concurrency import rows_locked
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -339,7 +339,7 @@ def test_a_single_claimed_while_a_reservation_commits_was_dispatched_before_its_
         reserving.start()
         until_waiting_on(gate)
         # The reservation is written but not committed: the claim does not see it.
-        [claimed] = race(lambda: request_job(seat.worker.id, "build").assign)
+        claimed = request_job(seat.worker.id, "build").assign
         assert claimed is not None and claimed.job_id == single.job_key
     finally:
         with connection.cursor() as cursor:
