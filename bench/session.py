@@ -15,8 +15,8 @@ The work a connected worker causes whatever its jobs (docs/design.md, "a connect
 - thread hop: an empty call through the sessions' frame threads (`sessions.threads.db`).
 
 A size WxQ: W connected build workers with an idle build slot each, allowed one project, and Q
-queued builds: half singles of another project (no worker may take them, so the single path
-reads a deep queue and gives nothing), half members of 2-build clusters of the workers' project.
+queued builds: half singles of another project (a deep queue no worker may take from, which
+their walks must not read), half members of 2-build clusters of the workers' project.
 Before timing, every worker's first RequestJob was offered its head's members (its job_score
 rows), as on a fleet that has run a while; so the resend's head holds nothing new.
 
@@ -315,10 +315,10 @@ def method(calls: int) -> list[str]:
         " refreshed); group join, the channel layer's `group_add` on Redis; thread hop, an"
         " empty call through the sessions' frame threads.",
         "A size: W connected build workers, an idle build slot each, allowed one project; Q"
-        " queued builds, half singles of another project (the single path reads a deep queue"
-        " and gives nothing), half members of 2-build clusters of the workers' project. Every"
-        " worker's first RequestJob was offered its head's members first (job_score rows in"
-        " the table), so a resend's head holds nothing new.",
+        " queued builds, half singles of another project (a deep queue no worker may take"
+        " from, which their walks must not read), half members of 2-build clusters of the"
+        " workers' project. Every worker's first RequestJob was offered its head's members"
+        " first (the job_score rows below), so a resend's head holds nothing new.",
         f"Calls: {WARMUP_CALLS} untimed, then {calls:,} timed, round robin over the fleet, in"
         " this one process (its own connection; the hop's threads have theirs).",
         "A row: wall ms per call (mean); CPU ms per call of this process, of the database's"
