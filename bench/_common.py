@@ -431,6 +431,11 @@ def _timed_loop() -> float:
 WIDTH = 100  # the generated prose is wrapped here, so no line needs scrolling sideways
 
 
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """Sizes as the scripts take them: "100x500,1000x5000" -> [(100, 500), (1000, 5000)]."""
+    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
+
+
 def paragraph(text: str) -> str:
     """One paragraph of prose, wrapped at WIDTH."""
     return textwrap.fill(text, WIDTH, break_on_hyphens=False, break_long_words=False)

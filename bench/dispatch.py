@@ -707,14 +707,10 @@ def pass_note(passes: list[float]) -> list[str]:
     ]
 
 
-def parse_grid(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
-    parser.add_argument("--grid", default="100x500,1000x5000,2000x5000", type=parse_grid)
+    parser.add_argument("--grid", default="100x500,1000x5000,2000x5000", type=common.parse_grid)
     parser.add_argument("--repeat", type=int, default=5, help="timed passes per grid point")
     parser.add_argument("--trials", type=int, default=60, help="gang-start trials")
     parser.add_argument("--only", choices=("pass", "gang"))

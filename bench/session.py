@@ -240,9 +240,15 @@ def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) 
     for name, call in operations(fleet, first["offered"]).items():
         per_call = timed(call, calls, meter)
         rows.append(
-            {"operation": name, "workers": workers, "queued": queued, "calls": calls, **per_call}
+            {
+                "operation": name,
+                "workers": workers,
+                "queued": queued,
+                "calls": calls,
+                "job_score": first["job_score"],
+                **per_call,
+            }
         )
-        rows[-1]["job_score"] = first["job_score"]
         print(table_row(rows[-1]), flush=True)
     return rows
 
@@ -341,10 +347,6 @@ def section(command: str, rows: list[dict], calls: int, load: str) -> str:
     return common.section_text(SECTION, lead, method(calls), facts, body)
 
 
-def parse_sizes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100x500,5000x20000", help="WORKERSxQUEUED,...")
@@ -362,7 +364,7 @@ def main() -> None:
     print(command, flush=True)
     before = common.load()
     rows = []
-    for workers, queued in parse_sizes(args.sizes):
+    for workers, queued in common.parse_grid(args.sizes):
         rows += bench_size(workers, queued, args.calls, client, args.database)
     load = f"{before} at the start, {common.load()} at the end"
     common.finish(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from django.conf import settings
 from django.db import connection
 
-from gradient.jobs.models import EVERY_PROJECT_SQL, BuildStatus, EvaluationStatus, JobKind
+from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.steps import BUILD_STEPS, FETCH_STEPS, FOLLOW_UP_STEPS, FULL_STEPS
 from gradient.wire.keys import PREFIX
 from workers.models import Worker
@@ -74,6 +74,10 @@ def literals(values) -> str:
 # window; wrapped in coalesce, the test counts as one in two.
 FEATURES_SQL = "coalesce(j.required_features <@ %(features)s, false)"
 
+# The condition of the heads' indexes over every project (gradient.jobs.models.EVERY_PROJECT),
+# stated by their walk alone: a walk of one project then cannot take those indexes.
+EVERY_PROJECT_SQL = "j.created_at IS NOT NULL"
+
 # The walks of the head: per architecture of the worker's (and, for a worker limited to some
 # projects, per project of its), one index range in the single path's order up to the window,
 # so that the jobs of other architectures and projects are never read; then the first window
@@ -82,7 +86,7 @@ FEATURES_SQL = "coalesce(j.required_features <@ %(features)s, false)"
 # prepared statement's generic plan, which then looks too dear to use, and PostgreSQL planned
 # the offer afresh at every call (8 ms, four times its run). The walk over every project
 # states the condition of its index alone (`every_project`), so a walk of one project reads
-# its project's index (gradient.jobs.models.EVERY_PROJECT).
+# its project's index.
 ACCESS_SQL = """
 SELECT h.* FROM (
     SELECT r.* FROM {architectures} AS a(architecture)

@@ -37,13 +37,6 @@ class EvaluationStatus(models.TextChoices):
 
 
 E = EvaluationStatus
-
-# Always true (created_at is NOT NULL), and stated only by the head's walk over every project,
-# so a walk of one project cannot use the index over every project. PostgreSQL guesses that a
-# project keeps 1/n_distinct of the queue, and would walk that index past another project's
-# thousands of jobs to fill the window of a project with none (workers.head.ACCESS_SQL).
-EVERY_PROJECT = Q(created_at__isnull=False)
-EVERY_PROJECT_SQL = "j.created_at IS NOT NULL"
 EVALUATION_TERMINAL = frozenset({E.COMPLETED, E.FAILED, E.ABORTED})
 # An evaluation can be claimed while it is not finished (the claim's start condition).
 EVALUATION_STARTABLE = frozenset(set(E) - EVALUATION_TERMINAL)
@@ -105,6 +98,13 @@ BUILD_MACHINE = StateMachine(
         B.ABORTED: frozenset({B.CREATED, B.QUEUED, B.BUILDING}) | BUILD_REQUEUEABLE,
     },
 )
+
+
+# Always true (created_at is NOT NULL), and stated only by the head's walk over every project
+# (workers.head.EVERY_PROJECT_SQL), so a walk of one project cannot use the index over every
+# project. PostgreSQL guesses that a project keeps 1/n_distinct of the queue, and would walk
+# that index past another project's thousands of jobs to fill the window of a project with none.
+EVERY_PROJECT = Q(created_at__isnull=False)
 
 
 class JobFields(models.Model):
