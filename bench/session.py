@@ -16,7 +16,8 @@ The work a connected worker causes whatever its jobs (docs/design.md, "a connect
 
 A size WxQ: W connected build workers with an idle build slot each, allowed one project, and Q
 queued builds: half singles of another project (a deep queue no worker may take from, which
-their walks must not read), half members of 2-build clusters of the workers' project.
+their walks must not read), half members of 2-build clusters of the workers' project, with
+as many finished clusters' builds behind them (history, which the walks must not read either).
 Before timing, every worker's first RequestJob was offered its head's members (its job_score
 rows), as on a fleet that has run a while; so the resend's head holds nothing new.
 
@@ -56,7 +57,7 @@ def populate(workers: int, queued: int) -> list:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.models import ClusterJob, ClusterMember
+    from clusters.models import ClusterJob, ClusterMember, ClusterStatus
     from gradient.jobs.models import BuildStatus, DerivationBuild, Project
     from workers.models import IdleSlot, Worker
 
@@ -91,15 +92,26 @@ def populate(workers: int, queued: int) -> list:
         ),
         batch_size=5000,
     )
-    # Seen able to start by a pass: only such clusters' members are offered.
+    # Seen able to start by a pass: only such clusters' members are offered. Behind them, as
+    # many finished clusters (history until the retention pass), which no walk may read.
+    live = queued // 4
     clusters = ClusterJob.objects.bulk_create(
-        (ClusterJob(project=members_of, waiting_since=now) for _ in range(queued // 4)),
+        (
+            ClusterJob(project=members_of, waiting_since=now if i < live else None, status=status)
+            for i, status in enumerate(
+                [ClusterStatus.QUEUED] * live + [ClusterStatus.COMPLETED] * live
+            )
+        ),
         batch_size=5000,
     )
     builds = DerivationBuild.objects.bulk_create(
         (
-            DerivationBuild(project=members_of, status=BuildStatus.QUEUED)
-            for _ in range(2 * len(clusters))
+            DerivationBuild(
+                project=members_of,
+                status=BuildStatus.QUEUED if c.waiting_since else BuildStatus.COMPLETED,
+            )
+            for c in clusters
+            for _ in range(2)
         ),
         batch_size=5000,
     )
@@ -323,8 +335,10 @@ def method(calls: int) -> list[str]:
         "A size: W connected build workers, an idle build slot each, allowed one project; Q"
         " queued builds, half singles of another project (a deep queue no worker may take"
         " from, which their walks must not read), half members of 2-build clusters of the"
-        " workers' project. Every worker's first RequestJob was offered its head's members"
-        " first (the job_score rows below), so a resend's head holds nothing new.",
+        " workers' project, with as many finished clusters' builds behind them (history, which"
+        " the walks must not read either). Every worker's first RequestJob was offered its"
+        " head's members first (the job_score rows below), so a resend's head holds nothing"
+        " new.",
         f"Calls: {WARMUP_CALLS} untimed, then {calls:,} timed, round robin over the fleet, in"
         " this one process (its own connection; the hop's threads have theirs).",
         "A row: wall ms per call (mean); CPU ms per call of this process, of the database's"

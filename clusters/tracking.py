@@ -297,19 +297,49 @@ def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
 
 # The members of one kind in one range of the head for a worker (protocol.md): those of the
 # clusters waiting to start (note_waiting marks them) along idx-cluster_job-waiting (or its
-# per-project twin) in the planner's order, up to the window; and, as a part of its own, those
-# pinned to the worker whatever their place (idx-cluster_member-pin). Columns as
+# per-project twin) in the planner's order, cluster by cluster, up to the window. Each
+# cluster's members are a subquery of their own, which its LIMIT keeps PostgreSQL from
+# flattening: joined flat, it guessed that few members of waiting clusters are queued (most
+# job rows are history) and hash-joined every member and job row. Columns as
 # workers.offers' members. (workers.head.access_sql runs one walk per range.)
 MEMBER_WALK = (
+    """
+SELECT '{prefix}' || x.id::text AS key, '{kind}'::text AS kind, x.project,
+       x.architecture, x.required_features::text[] AS required_features, x.paths,
+       c.prioritized, c.created_at, c.id AS cluster, x.role, x.member
+FROM cluster_job c
+CROSS JOIN LATERAL (
+    SELECT j.id, p.name AS project, j.architecture, j.required_features, j.paths,
+           m.role, m.id AS member
+    FROM cluster_member m
+    JOIN {table} j ON j.id = m.{member_column}
+    JOIN project p ON p.id = j.project_id
+    WHERE m.cluster_job_id = c.id AND (m.pin IS NULL OR m.pin = %(name)s)
+      AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
+    + FEATURES_SQL
+    + """
+    ORDER BY m.role, m.id
+    LIMIT {window}
+) x
+WHERE c.waiting_since IS NOT NULL {project_of_cluster}
+  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
+                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, x.role, x.member
+LIMIT {window}
+"""
+)
+# As a part of its own, the members pinned to the worker whatever their place, from
+# idx-cluster_member-pin.
+PINNED_WALK = (
     """
 SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, p.name AS project,
        j.architecture, j.required_features::text[] AS required_features, j.paths,
        c.prioritized, c.created_at, c.id AS cluster, m.role, m.id AS member
-FROM cluster_job c
-JOIN cluster_member m ON m.cluster_job_id = c.id
+FROM cluster_member m
+JOIN cluster_job c ON c.id = m.cluster_job_id
 JOIN {table} j ON j.id = m.{member_column}
 JOIN project p ON p.id = j.project_id
-WHERE c.waiting_since IS NOT NULL AND {seat} {project_of_cluster}
+WHERE m.pin = %(name)s AND c.waiting_since IS NOT NULL {project_of_cluster}
   AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
                   WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
   AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
@@ -319,8 +349,6 @@ ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, m.role, m.id
 LIMIT {window}
 """
 )
-ANY_SEAT = "(m.pin IS NULL OR m.pin = %(name)s)"
-PINNED_HERE = "m.pin = %(name)s"
 MEMBER_ORDER = "h.prioritized DESC, h.created_at ASC, h.cluster ASC, h.role, h.member"
 # The part's rows as the offer reads them.
 # A quarantined worker seats no member (workers.health), so none is offered to it: read from its
@@ -340,13 +368,12 @@ def member_head_parts(worker, kinds=JobKind.values) -> list[str]:
             continue
         table, prefix = job_table(how.kind)
         column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
-        for seat in (ANY_SEAT, PINNED_HERE):
-            walk = MEMBER_WALK.format(
+        for template in (MEMBER_WALK, PINNED_WALK):
+            walk = template.format(
                 table=table,
                 prefix=prefix,
                 kind=how.kind,
                 member_column=column,
-                seat=seat,
                 queued=literals(how.statuses[:1]),  # a member starts from Queued only
                 window=window(),
                 project_of_cluster="{project}",

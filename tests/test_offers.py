@@ -6,7 +6,7 @@ from django.db import connection as db_connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from clusters.models import ClusterJob
+from clusters.models import ClusterJob, ClusterMember
 from gradient.jobs.models import DerivationBuild, Evaluation
 from gradient.wire.protocol import Score
 from sessions import connection
@@ -183,14 +183,20 @@ def test_members_offered_by_the_dispatch_pass_are_not_offered_again():
     assert offered(worker) == []
 
 
-def head_walks(call) -> dict[str, int]:
-    """The rows each scan of a job table read when the call's last statement ran again
-    (EXPLAIN ANALYZE): index name (or "seq scan") -> rows read, kept or filtered out."""
+def last_plan(call) -> dict:
+    """The plan of the call's last statement, run again under EXPLAIN ANALYZE."""
     with CaptureQueriesContext(db_connection) as captured:
         call()
     with db_connection.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + captured.captured_queries[-1]["sql"])
         [[root]] = cursor.fetchone()
+    return root
+
+
+def head_walks(call) -> dict[str, int]:
+    """The rows each scan of a job table read when the call's last statement ran again
+    (EXPLAIN ANALYZE): index name (or "seq scan") -> rows read, kept or filtered out."""
+    root = last_plan(call)
     read: dict[str, int] = {}
 
     def walk(node):
@@ -251,6 +257,66 @@ def test_a_worker_of_one_project_reads_none_of_another_projects_deep_queue():
         assert sum(read.values()) == 0, read
     Evaluation.objects.bulk_create(Evaluation(project=mine) for _ in range(40))
     assert len(read_singles(worker, offerable(worker, "eval"))) == 32
+
+
+def member_reads(call) -> dict[str, int]:
+    """The rows of cluster_member and of each job table that the call's last statement read
+    when it ran again (EXPLAIN ANALYZE), by table. An index probed in a loop counts a row per
+    probe at least: EXPLAIN gives rows per loop, rounded."""
+    root = last_plan(call)
+    read: dict[str, int] = {}
+
+    def walk(node):
+        table = node.get("Relation Name")
+        if table in ("evaluation", "derivation_build", "cluster_member"):
+            rows = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+            probes = 1 if "Index Name" in node else 0
+            read[table] = read.get(table, 0) + max(rows, probes) * node["Actual Loops"]
+        for child in node.get("Plans", ()):
+            walk(child)
+
+    walk(root["Plan"])
+    return read
+
+
+@pytest.mark.parametrize("all_projects", [True, False])
+def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects):
+    """300 clusters waiting and 1,000 finished behind them, as on a busy fleet: PostgreSQL
+    guessed that few members of waiting clusters are queued (most job rows are history) and
+    hash-joined every member and job row instead of walking the clusters in order."""
+    project = ProjectFactory()
+    worker = WorkerFactory(all_projects=all_projects)
+    worker.projects.set([project])
+    now = timezone.now()
+    clusters = ClusterJob.objects.bulk_create(
+        ClusterJob(project=project, status=status, waiting_since=now if live else None)
+        for live, status in [(True, "Queued")] * 300 + [(False, "Completed")] * 1000
+    )
+
+    def job(model, cluster):
+        return model(project=project, status="Queued" if cluster.waiting_since else "Completed")
+
+    twice = [c for c in clusters for _ in range(2)]
+    evaluations = Evaluation.objects.bulk_create(job(Evaluation, c) for c in twice)
+    builds = DerivationBuild.objects.bulk_create(job(DerivationBuild, c) for c in clusters)
+    ClusterMember.objects.bulk_create(
+        [
+            ClusterMember(cluster_job=c, evaluation=e, role="server")
+            for c, e in zip(twice, evaluations, strict=True)
+        ]
+        + [
+            ClusterMember(cluster_job=c, derivation_build=b, role="client")
+            for c, b in zip(clusters, builds, strict=True)
+        ]
+    )
+    with db_connection.cursor() as cursor:
+        cursor.execute("ANALYZE cluster_job, cluster_member, evaluation, derivation_build")
+    read = member_reads(lambda: offered(worker))
+    # Each kind's walk reads the clusters of its window and one past it, three member rows
+    # and three probes of its job table each, whatever the queue or the history behind them.
+    bound = 2 * (32 + 1) * 3
+    assert all(rows <= bound for rows in read.values()), read
+    assert JobScore.objects.filter(worker=worker).count() == 2 * 32
 
 
 def test_a_request_is_offered_the_head_of_its_own_kind():
