@@ -94,13 +94,12 @@ def populate(workers: int, queued: int) -> list:
     )
     # Seen able to start by a pass: only such clusters' members are offered. Behind them, as
     # many finished clusters (history until the retention pass), which no walk may read.
-    live = queued // 4
+    statuses = [ClusterStatus.QUEUED, ClusterStatus.COMPLETED]
     clusters = ClusterJob.objects.bulk_create(
         (
-            ClusterJob(project=members_of, waiting_since=now if i < live else None, status=status)
-            for i, status in enumerate(
-                [ClusterStatus.QUEUED] * live + [ClusterStatus.COMPLETED] * live
-            )
+            ClusterJob(project=members_of, status=status, waiting_since=now if live else None)
+            for status in statuses
+            for live in [status == ClusterStatus.QUEUED] * (queued // 4)
         ),
         batch_size=5000,
     )

@@ -183,33 +183,30 @@ def test_members_offered_by_the_dispatch_pass_are_not_offered_again():
     assert offered(worker) == []
 
 
-def last_plan(call) -> dict:
-    """The plan of the call's last statement, run again under EXPLAIN ANALYZE."""
+def scans(call, tables):
+    """The scans of these tables in the plan of the call's last statement, run again under
+    EXPLAIN ANALYZE: (node, rows read, kept or filtered out, over all its loops)."""
     with CaptureQueriesContext(db_connection) as captured:
         call()
     with db_connection.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + captured.captured_queries[-1]["sql"])
         [[root]] = cursor.fetchone()
-    return root
+    nodes = [root["Plan"]]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get("Plans", ())
+        if node.get("Relation Name") in tables:
+            rows = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+            yield node, rows * node["Actual Loops"]
 
 
 def head_walks(call) -> dict[str, int]:
-    """The rows each scan of a job table read when the call's last statement ran again
-    (EXPLAIN ANALYZE): index name (or "seq scan") -> rows read, kept or filtered out."""
-    root = last_plan(call)
+    """The rows each scan of a job table read when the call's last statement ran again:
+    index name (or "seq scan") -> rows read."""
     read: dict[str, int] = {}
-
-    def walk(node):
-        if node.get("Relation Name") in ("evaluation", "derivation_build"):
-            name = node.get("Index Name", "seq scan")
-            rows = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node[
-                "Actual Loops"
-            ]
-            read[name] = read.get(name, 0) + rows
-        for child in node.get("Plans", ()):
-            walk(child)
-
-    walk(root["Plan"])
+    for node, rows in scans(call, ("evaluation", "derivation_build")):
+        name = node.get("Index Name", "seq scan")
+        read[name] = read.get(name, 0) + rows
     return read
 
 
@@ -260,22 +257,14 @@ def test_a_worker_of_one_project_reads_none_of_another_projects_deep_queue():
 
 
 def member_reads(call) -> dict[str, int]:
-    """The rows of cluster_member and of each job table that the call's last statement read
-    when it ran again (EXPLAIN ANALYZE), by table. An index probed in a loop counts a row per
-    probe at least: EXPLAIN gives rows per loop, rounded."""
-    root = last_plan(call)
+    """The rows of cluster_member and of each job table that the call's last statement read,
+    by table. An index probed in a loop counts a row per probe at least: EXPLAIN gives rows
+    per loop, rounded down to none where most probes find nothing."""
     read: dict[str, int] = {}
-
-    def walk(node):
-        table = node.get("Relation Name")
-        if table in ("evaluation", "derivation_build", "cluster_member"):
-            rows = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
-            probes = 1 if "Index Name" in node else 0
-            read[table] = read.get(table, 0) + max(rows, probes) * node["Actual Loops"]
-        for child in node.get("Plans", ()):
-            walk(child)
-
-    walk(root["Plan"])
+    for node, rows in scans(call, ("evaluation", "derivation_build", "cluster_member")):
+        probes = node["Actual Loops"] if "Index Name" in node else 0
+        table = node["Relation Name"]
+        read[table] = read.get(table, 0) + max(rows, probes)
     return read
 
 
@@ -312,8 +301,9 @@ def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects)
     with db_connection.cursor() as cursor:
         cursor.execute("ANALYZE cluster_job, cluster_member, evaluation, derivation_build")
     read = member_reads(lambda: offered(worker))
-    # Each kind's walk reads the clusters of its window and one past it, three member rows
-    # and three probes of its job table each, whatever the queue or the history behind them.
+    # Each kind's walk reads the clusters of its window and one past it (at most 33), three
+    # member rows and three probes of its job table each, whatever the queue or the history
+    # behind them.
     bound = 2 * (32 + 1) * 3
     assert all(rows <= bound for rows in read.values()), read
     assert JobScore.objects.filter(worker=worker).count() == 2 * 32
