@@ -161,39 +161,53 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
 
 # Clusters that can start: Queued, no open attempt, not backing off after a failed prepare,
 # and every member's job startable (evaluation Queued, build Queued) with no open row
-# anywhere. A member that cannot start holds its whole cluster back.
+# anywhere. A member that cannot start holds its whole cluster back. Each cluster's attempts
+# and members are aggregated in subqueries of their own, which PostgreSQL cannot flatten:
+# joined flat, it hash-joined every attempt and job row of the history kept for each pass.
 STARTABLE_SQL = f"""
 SELECT c.id, c.same_zone, c.created_at, c.prioritized, c.waiting_since, c.offered_at
 FROM cluster_job c
-JOIN cluster_member m ON m.cluster_job_id = c.id
-LEFT JOIN evaluation e ON e.id = m.evaluation_id
-LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-WHERE c.status = '{ClusterStatus.QUEUED}'
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id
-                    AND (a.finished_at IS NULL
-                         OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}'
-                             AND a.finished_at > %(backoff)s)))
-GROUP BY c.id
-HAVING bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}', b.status = '{BuildStatus.QUEUED}'))
-   AND NOT bool_or(EXISTS (
-        SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
-            {member_key_sql("m.evaluation_id", "m.derivation_build_id")}))
+CROSS JOIN LATERAL (
+    SELECT count(*) AS blocking FROM cluster_attempt a
+    WHERE a.cluster_job_id = c.id
+      AND (a.finished_at IS NULL
+           OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s))
+) t
+CROSS JOIN LATERAL (
+    SELECT bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}',
+                             b.status = '{BuildStatus.QUEUED}')) AS queued,
+           bool_or(EXISTS (
+               SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
+                   {member_key_sql("m.evaluation_id", "m.derivation_build_id")})) AS open
+    FROM cluster_member m
+    LEFT JOIN evaluation e ON e.id = m.evaluation_id
+    LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+    WHERE m.cluster_job_id = c.id
+) s
+WHERE c.status = '{ClusterStatus.QUEUED}' AND t.blocking = 0 AND s.queued AND NOT s.open
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC
 LIMIT %(limit)s
 """
 
 
 # The members of the clusters that can start, with what their seats and AssignJobs need, in
-# the order the ORM would give them (ClusterMember.Meta.ordering).
+# the order the ORM would give them (ClusterMember.Meta.ordering). Each job row is a subquery
+# of its own (its LIMIT keeps it so), probed by its key: joined flat, PostgreSQL hash-joined
+# the job tables' whole history for each pass.
 MEMBERS_SQL = f"""
 SELECT m.cluster_job_id, m.id, m.role, m.pin, m.evaluation_id, m.derivation_build_id,
        coalesce(e.architecture, b.architecture), coalesce(e.required_features, b.required_features),
        p.id, p.name, coalesce(b.cache_available, false), coalesce(e.paths, b.paths),
        {member_key_sql("m.evaluation_id", "m.derivation_build_id")}
 FROM cluster_member m
-LEFT JOIN evaluation e ON e.id = m.evaluation_id
-LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+LEFT JOIN LATERAL (
+    SELECT e.architecture, e.required_features, e.project_id, e.paths FROM evaluation e
+    WHERE e.id = m.evaluation_id LIMIT 1
+) e ON true
+LEFT JOIN LATERAL (
+    SELECT b.architecture, b.required_features, b.project_id, b.cache_available, b.paths
+    FROM derivation_build b WHERE b.id = m.derivation_build_id LIMIT 1
+) b ON true
 JOIN project p ON p.id = coalesce(e.project_id, b.project_id)
 WHERE m.cluster_job_id = ANY(%s)
 ORDER BY m.cluster_job_id, m.role, m.id

@@ -3,10 +3,9 @@
 
 import pytest
 from django.db import connection as db_connection
-from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from clusters.models import ClusterJob, ClusterMember
+from clusters.models import ClusterJob
 from gradient.jobs.models import DerivationBuild, Evaluation
 from gradient.wire.protocol import Score
 from sessions import connection
@@ -19,6 +18,7 @@ from tests.factories import (
     WorkerFactory,
     waiting,
 )
+from tests.plans import clusters_with_history, rows_read, scans
 from workers import health, offers
 from workers.head import offerable, read_singles
 from workers.models import JobScore
@@ -183,23 +183,6 @@ def test_members_offered_by_the_dispatch_pass_are_not_offered_again():
     assert offered(worker) == []
 
 
-def scans(call, tables):
-    """The scans of these tables in the plan of the call's last statement, run again under
-    EXPLAIN ANALYZE: (node, rows read, kept or filtered out, over all its loops)."""
-    with CaptureQueriesContext(db_connection) as captured:
-        call()
-    with db_connection.cursor() as cursor:
-        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + captured.captured_queries[-1]["sql"])
-        [[root]] = cursor.fetchone()
-    nodes = [root["Plan"]]
-    while nodes:
-        node = nodes.pop()
-        nodes += node.get("Plans", ())
-        if node.get("Relation Name") in tables:
-            rows = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
-            yield node, rows * node["Actual Loops"]
-
-
 def head_walks(call) -> dict[str, int]:
     """The rows each scan of a job table read when the call's last statement ran again:
     index name (or "seq scan") -> rows read."""
@@ -257,15 +240,8 @@ def test_a_worker_of_one_project_reads_none_of_another_projects_deep_queue():
 
 
 def member_reads(call) -> dict[str, int]:
-    """The rows of cluster_member and of each job table that the call's last statement read,
-    by table. An index probed in a loop counts a row per probe at least: EXPLAIN gives rows
-    per loop, rounded down to none where most probes find nothing."""
-    read: dict[str, int] = {}
-    for node, rows in scans(call, ("evaluation", "derivation_build", "cluster_member")):
-        probes = node["Actual Loops"] if "Index Name" in node else 0
-        table = node["Relation Name"]
-        read[table] = read.get(table, 0) + max(rows, probes)
-    return read
+    """The rows of cluster_member and of each job table that the call's last statement read."""
+    return rows_read(call, ("evaluation", "derivation_build", "cluster_member"))
 
 
 @pytest.mark.parametrize("all_projects", [True, False])
@@ -276,28 +252,7 @@ def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects)
     project = ProjectFactory()
     worker = WorkerFactory(all_projects=all_projects)
     worker.projects.set([project])
-    now = timezone.now()
-    clusters = ClusterJob.objects.bulk_create(
-        ClusterJob(project=project, status=status, waiting_since=now if live else None)
-        for live, status in [(True, "Queued")] * 300 + [(False, "Completed")] * 1000
-    )
-
-    def job(model, cluster):
-        return model(project=project, status="Queued" if cluster.waiting_since else "Completed")
-
-    twice = [c for c in clusters for _ in range(2)]
-    evaluations = Evaluation.objects.bulk_create(job(Evaluation, c) for c in twice)
-    builds = DerivationBuild.objects.bulk_create(job(DerivationBuild, c) for c in clusters)
-    ClusterMember.objects.bulk_create(
-        [
-            ClusterMember(cluster_job=c, evaluation=e, role="server")
-            for c, e in zip(twice, evaluations, strict=True)
-        ]
-        + [
-            ClusterMember(cluster_job=c, derivation_build=b, role="client")
-            for c, b in zip(clusters, builds, strict=True)
-        ]
-    )
+    clusters_with_history(project, queued=300, finished=1000)
     with db_connection.cursor() as cursor:
         cursor.execute("ANALYZE cluster_job, cluster_member, evaluation, derivation_build")
     read = member_reads(lambda: offered(worker))

@@ -1,0 +1,50 @@
+"""The cluster book (clusters.tracking.startable_clusters), read once a dispatch pass, reads
+the clusters that can start and their own rows, not the history kept behind them."""
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from clusters.models import ClusterAttempt
+from clusters.tracking import startable_clusters
+from tests.factories import ProjectFactory
+from tests.plans import clusters_with_history, rows_read
+
+pytestmark = pytest.mark.django_db
+
+QUEUED, FINISHED = 300, 3000
+HISTORY = ("cluster_attempt", "cluster_member", "evaluation", "derivation_build")
+TABLES = ("cluster_job", *HISTORY)
+
+
+@pytest.fixture
+def analyzed():
+    """ANALYZE's row counts outlive the test's rolled-back rows: at its end the tables are
+    emptied (inside its transaction) and analyzed again, so that the tests after it plan as
+    for the tables they find."""
+    with connection.cursor() as cursor:
+        yield lambda: cursor.execute(f"ANALYZE {', '.join(TABLES)}")
+        for table in ("cluster_job", "evaluation", "derivation_build"):  # members cascade
+            cursor.execute(f"DELETE FROM {table}")
+        cursor.execute(f"ANALYZE {', '.join(TABLES)}")
+
+
+def test_the_book_reads_no_history_however_much_is_kept(analyzed):
+    """300 clusters queued and 3,000 finished, each of two evaluations and a build: joined
+    flat, PostgreSQL hash-joined every attempt, member and job row for the book, so a pass
+    cost more the longer the history kept."""
+    project, now = ProjectFactory(), timezone.now()
+    clusters = clusters_with_history(project, QUEUED, FINISHED)
+    ClusterAttempt.objects.bulk_create(
+        ClusterAttempt(cluster_job=c, created_at=now, finished_at=now, outcome="Succeeded")
+        for c in clusters[QUEUED:]
+    )
+    analyzed()
+
+    book = startable_clusters()
+    assert sorted(c.id for c in book) == sorted(c.id for c in clusters[:QUEUED])
+    assert all(len(c.members) == 3 for c in book)
+    # Each statement: at most a probe of each table per member of a queued cluster.
+    for statement in (0, 1):
+        read = rows_read(startable_clusters, HISTORY, statement)
+        assert all(rows <= 3 * QUEUED for rows in read.values()), (statement, read)
