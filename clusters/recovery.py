@@ -34,19 +34,24 @@ log = logging.getLogger(__name__)
 
 
 MEMBER_KEY = member_key_sql("m.evaluation_id", "m.derivation_build_id")
+# Each open started attempt's members are aggregated in a subquery of their own, which
+# PostgreSQL cannot flatten: joined flat, it hash-joined every member of the history kept.
 STARTED_WITH_LOST_OR_DEAD_SQL = f"""
-SELECT a.id,
-       bool_or(e.status = ANY(%(dead_evals)s) OR b.status = ANY(%(dead_builds)s)) AS dead,
-       bool_or(d.id IS NULL OR w.channel_name IS NULL OR w.last_seen_at < %(silent)s) AS lost
+SELECT a.id, s.dead, s.lost
 FROM cluster_attempt a
-JOIN cluster_member m ON m.cluster_job_id = a.cluster_job_id
-LEFT JOIN evaluation e ON e.id = m.evaluation_id
-LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-LEFT JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.finished_at IS NULL
-    AND d.job_id = {MEMBER_KEY}
-LEFT JOIN worker w ON w.id = d.worker_id
+CROSS JOIN LATERAL (
+    SELECT bool_or(e.status = ANY(%(dead_evals)s) OR b.status = ANY(%(dead_builds)s)) AS dead,
+           bool_or(d.id IS NULL OR w.channel_name IS NULL OR w.last_seen_at < %(silent)s)
+               AS lost
+    FROM cluster_member m
+    LEFT JOIN evaluation e ON e.id = m.evaluation_id
+    LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
+    LEFT JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.finished_at IS NULL
+        AND d.job_id = {MEMBER_KEY}
+    LEFT JOIN worker w ON w.id = d.worker_id
+    WHERE m.cluster_job_id = a.cluster_job_id
+) s
 WHERE a.finished_at IS NULL AND a.started_at IS NOT NULL
-GROUP BY a.id
 """
 
 

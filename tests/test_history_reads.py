@@ -1,18 +1,19 @@
-"""The cluster book (clusters.tracking.startable_clusters), read once a dispatch pass, reads
-the clusters that can start and their own rows, not the history kept behind them."""
+"""What a pass reads once a run, the dispatch pass's cluster book and the recovery pass's open
+attempts, is the live clusters' own rows, not the history kept behind them."""
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
-from clusters.models import ClusterAttempt
+from clusters import recovery
+from clusters.models import ClusterAttempt, ClusterJob
 from clusters.tracking import startable_clusters
 from tests.factories import ProjectFactory
 from tests.plans import clusters_with_history, rows_read
 
 pytestmark = pytest.mark.django_db
 
-QUEUED, FINISHED = 300, 3000
+QUEUED, FINISHED = 300, 3000  # also the Running ones, for the recovery pass
 HISTORY = ("cluster_attempt", "cluster_member", "evaluation", "derivation_build")
 TABLES = ("cluster_job", *HISTORY)
 
@@ -48,3 +49,27 @@ def test_the_book_reads_no_history_however_much_is_kept(analyzed):
     for statement in (0, 1):
         read = rows_read(startable_clusters, HISTORY, statement)
         assert all(rows <= 3 * QUEUED for rows in read.values()), (statement, read)
+
+
+def test_the_recovery_pass_reads_no_history_however_much_is_kept(analyzed):
+    """300 clusters running and 3,000 finished: joined flat, PostgreSQL hash-joined every
+    member of the history to find the open attempts' members."""
+    project, now = ProjectFactory(), timezone.now()
+    clusters = clusters_with_history(project, QUEUED, FINISHED)
+    ClusterJob.objects.filter(pk__in=[c.pk for c in clusters[:QUEUED]]).update(status="Running")
+    ClusterAttempt.objects.bulk_create(
+        [ClusterAttempt(cluster_job=c, created_at=now, started_at=now) for c in clusters[:QUEUED]]
+        + [
+            ClusterAttempt(
+                cluster_job=c, created_at=now, started_at=now, finished_at=now, outcome="Succeeded"
+            )
+            for c in clusters[QUEUED:]
+        ]
+    )
+    analyzed()
+
+    def resolve():
+        assert recovery.resolve_orphaned_attempts(now) == []  # no member dead, none seated
+
+    read = rows_read(resolve, HISTORY, statement=0)
+    assert all(rows <= 3 * QUEUED for rows in read.values()), read
