@@ -69,3 +69,16 @@ def test_a_long_statement_is_converted_once_not_at_every_call(db):
     # The head's statement is longer than psycopg's own limit of 4 KiB, and is found cached.
     assert after.hits - before.hits >= 3
     assert after.misses == before.misses
+
+
+@pytest.mark.django_db
+def test_no_statement_is_jit_compiled():
+    """Even one whose estimate passes jit_above_cost (here every one): compiling it at each
+    run cost the cluster book more than it saved."""
+    from django.db import connection, transaction
+
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL jit_above_cost = 0")
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) SELECT sum(g) FROM generate_series(1, 10) g")
+        [[plan]] = cursor.fetchone()
+    assert "JIT" not in plan
