@@ -1,12 +1,14 @@
 """The dispatch pass over ready clusters x idle workers, and gang-start latency on the real stack.
 
     .venv/bin/python bench/dispatch.py [--grid 100x500,1000x5000] [--repeat N] [--trials N]
-                                       [--only pass|gang] [--write docs/benchmarks.md]
+                                       [--history N] [--only pass|gang]
+                                       [--write docs/benchmarks.md]
 
 Dispatch pass: C ready clusters of 4 members (2 eval + 2 build) over W connected workers with
 live idle slots in 3 zones, written straight into the tables (no sessions: channel_name and
 idle_slot rows are set directly), with the in-memory channel layer so sends cost nothing.
 `run_pass()` is timed as a whole and, through wrappers around what it calls, piece by piece.
+The first grid point runs again with --history finished clusters kept behind the ready ones.
 
 Gang-start latency: a daphne and a Celery worker + beat as subprocesses (dispatch interval left
 at 5 s, so the measured path is the wake-up) and reference workers (SimulatedWorker) in this
