@@ -2,7 +2,6 @@
 attempts, is the live clusters' own rows, not the history kept behind them."""
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from clusters import recovery
@@ -15,19 +14,6 @@ pytestmark = pytest.mark.django_db
 
 QUEUED, FINISHED = 300, 3000  # also the Running ones, for the recovery pass
 HISTORY = ("cluster_attempt", "cluster_member", "evaluation", "derivation_build")
-TABLES = ("cluster_job", *HISTORY)
-
-
-@pytest.fixture
-def analyzed():
-    """ANALYZE's row counts outlive the test's rolled-back rows: at its end the tables are
-    emptied (inside its transaction) and analyzed again, so that the tests after it plan as
-    for the tables they find."""
-    with connection.cursor() as cursor:
-        yield lambda: cursor.execute(f"ANALYZE {', '.join(TABLES)}")
-        for table in ("cluster_job", "evaluation", "derivation_build"):  # members cascade
-            cursor.execute(f"DELETE FROM {table}")
-        cursor.execute(f"ANALYZE {', '.join(TABLES)}")
 
 
 def test_the_book_reads_no_history_however_much_is_kept(analyzed):

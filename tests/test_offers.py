@@ -245,7 +245,7 @@ def member_reads(call) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("all_projects", [True, False])
-def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects):
+def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects, analyzed):
     """300 clusters waiting and 1,000 finished behind them, as on a busy fleet: PostgreSQL
     guessed that few members of waiting clusters are queued (most job rows are history) and
     hash-joined every member and job row instead of walking the clusters in order."""
@@ -253,8 +253,7 @@ def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects)
     worker = WorkerFactory(all_projects=all_projects)
     worker.projects.set([project])
     clusters_with_history(project, queued=300, finished=1000)
-    with db_connection.cursor() as cursor:
-        cursor.execute("ANALYZE cluster_job, cluster_member, evaluation, derivation_build")
+    analyzed()
     read = member_reads(lambda: offered(worker))
     # Each kind's walk reads the clusters of its window and one past it (at most 33), three
     # member rows and three probes of its job table each, whatever the queue or the history
