@@ -49,16 +49,16 @@ def _place_without_waiting_for_scores(settings):
 
 @pytest.fixture
 def analyzed(db):
-    """ANALYZE of the cluster and job tables, for a test that reads plans over many rows.
-    The row counts outlive the test's rolled-back rows: at its end the tables are emptied
-    (inside its transaction) and analyzed again, so that the tests after it plan as for the
-    tables they find."""
+    """ANALYZE of the cluster, job and score tables, for a test that reads plans over many
+    rows. The row counts outlive the test's rolled-back rows: at its end the tables are
+    emptied (inside its transaction) and analyzed again, so that the tests after it plan as
+    for the tables they find."""
     from django.db import connection
 
-    tables = "cluster_job, cluster_attempt, cluster_member, evaluation, derivation_build"
+    tables = "cluster_job, cluster_attempt, cluster_member, evaluation, derivation_build, job_score"
     with connection.cursor() as cursor:
         yield lambda: cursor.execute(f"ANALYZE {tables}")
-        for table in ("cluster_job", "evaluation", "derivation_build"):  # members cascade
+        for table in ("cluster_job", "evaluation", "derivation_build", "job_score"):
             cursor.execute(f"DELETE FROM {table}")
         cursor.execute(f"ANALYZE {tables}")
 

@@ -272,3 +272,45 @@ def test_a_pass_runs_offer_statements_for_a_window_of_clusters_however_many_ask_
     offers = [q for q in queries.captured_queries if "WITH unasked AS" in q["sql"]]
     assert len(offers) == 2  # the window: two build members
     assert len(result.claimed) == 3  # every seat taken, by the clusters first in line
+
+
+def test_the_unanswered_offers_are_read_per_member_whatever_the_idle_fleet(analyzed):
+    """A pass reads which members wait for an idle seat's answer once per member, even under
+    the generic plan PostgreSQL keeps for a prepared statement: with the idle workers as a
+    second array in the index's condition, it probed the index once per (member, worker)."""
+    from django.db import connection
+
+    from clusters.asking import Asking
+    from clusters.dispatch import snapshot
+    from clusters.tracking import startable_clusters
+
+    workers = idle_workers(60, kinds=("build",))
+    asked = [cluster_of_builds(2) for _ in range(3)]
+    run_pass()  # each member offered to a window of the idle seats, none answered
+    answered = cluster_of_builds(1)
+    ClusterJob.objects.filter(pk=answered.pk).update(offered_at=timezone.now())
+    for worker in workers[:5]:
+        answer(worker, answered, 10)
+    now = timezone.now()
+    ready = startable_clusters(now)
+    workers_seen = snapshot(ready, now).workers
+
+    def probes() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT idx_scan FROM pg_stat_xact_user_tables WHERE relname = 'job_score'"
+            )
+            return cursor.fetchone()[0]
+
+    analyzed()
+    with connection.cursor() as cursor:
+        # The plan PostgreSQL keeps for a prepared statement, over a job_score as large as
+        # a busy fleet's (where the indexes, not a scan of the table, are the way in).
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute("SET LOCAL enable_seqscan = off")
+    for _ in range(5):  # the statement is prepared on its fifth run (prepare_threshold)
+        Asking(ready, workers_seen, now)
+    before = probes()
+    asking = Asking(ready, workers_seen, now)
+    assert asking.unanswered == {k for cluster in asked for k in keys(cluster)}
+    assert probes() - before <= 7  # the members read, not 7 x 60
