@@ -17,6 +17,10 @@ each pair is offered once per connection whichever process offers it.
   score wait at most from its start (cluster_job.offered_at), and the next may begin a score
   wait after the last ended, so that a cluster is always placed in time however often seats
   come free.
+- A new cluster is not asked of an idle worker still silent on an ask of the score wait's
+  (an offer of a cluster asked lately, not answered): on a loaded server the answers queue
+  in the sessions for seconds, past the score wait, and each further ask lengthens the queue
+  without reaching a pass in time. The asks then follow the answers' pace.
 """
 
 import json
@@ -99,7 +103,7 @@ class Asking:
         self.counted: set[int] = set()  # clusters counted against the head
         self.rounds: list[int] = []  # clusters whose round of asking begins with this pass
         self.items: dict[int, list[str]] = defaultdict(list)  # worker -> its offer's jobs
-        self.unanswered = self._unanswered(clusters, {w.id for w in workers})
+        self.unanswered, self.silent = self._unanswered(clusters, {w.id for w in workers})
 
     def ask_new(self) -> None:
         """Offer the clusters that became able to start to the idle workers that could seat
@@ -214,7 +218,11 @@ class Asking:
         due = offered_at + score_wait()
         self.due = due if self.due is None else min(self.due, due)
 
-    def _unanswered(self, clusters: list[StartableCluster], idle: set[int]) -> set[str]:
+    def _unanswered(
+        self, clusters: list[StartableCluster], idle: set[int]
+    ) -> tuple[set[str], set[int]]:
+        """The members an idle worker was offered lately and has not scored, and those
+        workers."""
         since = self.now - score_wait()
         keys = [
             m.key
@@ -223,10 +231,16 @@ class Asking:
             for m in c.members
         ]
         if not keys or not idle:
-            return set()
+            return set(), set()
+        members, silent = set(), set()
         with connection.cursor() as cursor:
             cursor.execute(UNANSWERED_SQL, {"keys": text_array(keys), "since": since})
-            return {key for key, offered in cursor.fetchall() if not idle.isdisjoint(offered)}
+            for key, offered in cursor.fetchall():
+                waited = idle.intersection(offered)
+                if waited:
+                    members.add(key)
+                    silent |= waited
+        return members, silent
 
     def _offer(self, asks: list, while_room: bool = False, blind: bool = False) -> list:
         """Offer each member of these clusters (with their placements, or None) to up to a
@@ -285,9 +299,13 @@ class Asking:
             start = zlib.crc32(member.key.encode())
             candidates = list(unscored[member.key])
             if not blind:
-                candidates += self.seating.candidates(
-                    member.planned(), start, CANDIDATES * window()
-                )
+                # Not the seats still silent on an earlier ask: on a loaded server their
+                # answers wait behind it, past the score wait, and another ask only adds to it.
+                candidates += [
+                    w
+                    for w in self.seating.candidates(member.planned(), start, CANDIDATES * window())
+                    if w.id not in self.silent
+                ]
             for turn, worker in enumerate(dict.fromkeys(candidates)):
                 workers.append(worker.id)
                 keys.append(member.key)

@@ -314,3 +314,24 @@ def test_the_unanswered_offers_are_read_per_member_whatever_the_idle_fleet(analy
     asking = Asking(ready, workers_seen, now)
     assert asking.unanswered == {k for cluster in asked for k in keys(cluster)}
     assert probes() - before <= 7  # the members read, not 7 x 60
+
+
+def test_a_seat_silent_on_an_earlier_ask_is_not_asked_a_new_cluster():
+    """An idle worker that has not answered the last offer it was asked is left out of a new
+    cluster's first ask: on a loaded server its answers queue behind that offer past the
+    score wait, so another ask adds to the queue without reaching the pass in time."""
+    silent, cheap, dear = idle_workers(3, kinds=("build",))
+    first = cluster_of_builds(1)
+    run_pass()
+    answer(cheap, first, 10)
+    answer(dear, first, 20)
+    second = cluster_of_builds(1)
+    run_pass()  # the first is held for the silent seat's answer, the second asked
+    asked = set(JobScore.objects.filter(job_id=keys(second)[0]).values_list("worker", flat=True))
+    assert asked == {cheap.pk, dear.pk}
+
+    answer(silent, first, 5)
+    third = cluster_of_builds(1)
+    run_pass()
+    asked = set(JobScore.objects.filter(job_id=keys(third)[0]).values_list("worker", flat=True))
+    assert silent.pk in asked  # answered since: asked again
