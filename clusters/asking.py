@@ -48,7 +48,7 @@ def score_wait() -> timedelta:
 # The workers offered each member of the clusters offered lately that have not scored it
 # yet, from idx-job_score-job-size (a row without a size is an unanswered offer). Which of
 # them are idle is for the caller: as a second array in the index condition, the prepared
-# statement's generic plan probed the index once per (member, idle worker), 20 ms a pass.
+# statement's generic plan would probe the index once per (member, idle worker).
 UNANSWERED_SQL = """
 SELECT s.job_id, array_agg(s.worker_id) FROM job_score s
 WHERE s.job_id = ANY(%(keys)s::text[]) AND s.missing_nar_size IS NULL
@@ -299,8 +299,7 @@ class Asking:
             start = zlib.crc32(member.key.encode())
             candidates = list(unscored[member.key])
             if not blind:
-                # Not the seats still silent on an earlier ask: on a loaded server their
-                # answers wait behind it, past the score wait, and another ask only adds to it.
+                # Not the seats still silent on an earlier ask (the module's docstring).
                 candidates += [
                     w
                     for w in self.seating.candidates(member.planned(), start, CANDIDATES * window())

@@ -58,6 +58,7 @@ def analyzed(db):
     tables = "cluster_job, cluster_attempt, cluster_member, evaluation, derivation_build, job_score"
     with connection.cursor() as cursor:
         yield lambda: cursor.execute(f"ANALYZE {tables}")
+        # Members and attempts go with their clusters (ON DELETE CASCADE).
         for table in ("cluster_job", "evaluation", "derivation_build", "job_score"):
             cursor.execute(f"DELETE FROM {table}")
         cursor.execute(f"ANALYZE {tables}")
