@@ -607,7 +607,7 @@ def method(args) -> list[str]:
         "The asking's cadence: a pass asks at most a window of never-asked members per kind and"
         " places a cluster only once asked, so a deep cluster queue starts about that many"
         " members per kind per pass. The passes that saw a ready cluster, from Celery's log of"
-        " the whole run, are listed with the run.",
+        " the whole run, are in the second table.",
         f"Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
         f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
         f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
@@ -642,19 +642,39 @@ def run_label(r: dict) -> str:
     return label + (f" (run {r['run']})" if "run" in r else "")
 
 
-def passes_line(results: list[dict]) -> str:
-    parts = []
+PER_RUN_HEADER = [
+    "run",
+    "passes that saw a ready cluster",
+    "pass s (median)",
+    "placing nothing",
+    "clusters ready (median)",
+    "claim to assign s",
+    "assign to answer s",
+    "answer to record s",
+    "fleet's loop late s",
+]
+PER_RUN_LEAD = (
+    "Per run: the dispatch passes that saw a ready cluster (Celery's log of the whole run), and"
+    " where the window's members waited between their claim and their acceptance's record"
+    " (median / p90; wall clock, the database's and the fleet's)."
+)
+
+
+def per_run_rows(results: list[dict]) -> list[list]:
+    out = []
     for r in results:
         p = r.get("passes", {"count": 0})
-        size = run_label(r)
-        if not p["count"]:
-            parts.append(f"{size}: none")
-            continue
-        parts.append(
-            f"{size}: {p['count']}, median {p['seconds']:.2f} s, {p['empty']} placing nothing,"
-            f" a median of {p['ready']:,.0f} clusters ready"
+        seen = (
+            [f"{p['count']:,}", f"{p['seconds']:.2f}", f"{p['empty']:,}", f"{p['ready']:,.0f}"]
+            if p["count"]
+            else ["0", "-", "-", "-"]
         )
-    return "Dispatch passes that saw a ready cluster (whole run): " + "; ".join(parts) + "."
+        hops = [spread_text(r["hops"].get(k), 2) for k in HOPS]
+        out.append([run_label(r), *seen, *hops, spread_text(r["lag"], 3)])
+    return out
+
+
+HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
 
 
 def observed(results: list[dict]) -> list[str]:
@@ -671,17 +691,18 @@ def observed(results: list[dict]) -> list[str]:
         "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
         f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
         f" {tracebacks}.",
-        passes_line(results),
-        "Where a member waits between its claim and its acceptance's record (the window's"
-        " members, median / p90 s; wall clock, the database's and the fleet's): "
-        + "; ".join(f"{run_label(r)}: {hops_text(r)}" for r in results)
-        + ".",
     ]
 
 
 def section(command: str, results: list[dict], args) -> str:
     facts = [*observed(results), *common.run_facts(command, "in the table")]
-    body = common.table(HEADER, rows(results))
+    body = "\n\n".join(
+        [
+            common.table(HEADER, rows(results)),
+            PER_RUN_LEAD,
+            common.table(PER_RUN_HEADER, per_run_rows(results)),
+        ]
+    )
     return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from bench.throughput import dispatch_passes, figures, member_hops, passes_line
+from bench.throughput import dispatch_passes, figures, member_hops, per_run_rows
 from tests.admin_rows import dispatched
 from tests.factories import WorkerFactory
 
@@ -25,16 +25,19 @@ LOG = """\
 def test_the_passes_that_saw_a_ready_cluster_are_counted_and_the_empty_ones_apart():
     assert dispatch_passes(LOG) == {"count": 3, "seconds": 1.5, "empty": 1, "ready": 509}
     assert dispatch_passes("no pass ran") == {"count": 0}
-    line = passes_line(
+    hops = {"claim_to_assign": (0.05, 0.09), "assign_to_answer": None, "answer_to_record": None}
+    rows = per_run_rows(
         [
-            {"single_workers": 20, "cluster_workers": 80, "passes": dispatch_passes("")},
-            {"single_workers": 200, "cluster_workers": 800, "passes": dispatch_passes(LOG)},
+            {"single_workers": 20, "cluster_workers": 80, "passes": dispatch_passes("")}
+            | {"hops": hops, "lag": (0.004, 0.03)},
+            {"single_workers": 200, "cluster_workers": 800, "passes": dispatch_passes(LOG)}
+            | {"hops": hops, "lag": None, "run": 2},
         ]
     )
-    assert line == (
-        "Dispatch passes that saw a ready cluster (whole run): 100 workers: none; 1,000"
-        " workers: 3, median 1.50 s, 1 placing nothing, a median of 509 clusters ready."
-    )
+    assert rows == [
+        ["100 workers", "0", "-", "-", "-", "0.05 / 0.09", "-", "-", "0.004 / 0.030"],
+        ["1,000 workers (run 2)", "3", "1.50", "1", "509", "0.05 / 0.09", "-", "-", "-"],
+    ]
 
 
 @pytest.mark.django_db
