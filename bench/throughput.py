@@ -699,7 +699,7 @@ def section(command: str, results: list[dict], args) -> str:
     body = "\n\n".join(
         [
             common.table(HEADER, rows(results)),
-            PER_RUN_LEAD,
+            common.paragraph(PER_RUN_LEAD),
             common.table(PER_RUN_HEADER, per_run_rows(results)),
         ]
     )
