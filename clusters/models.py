@@ -174,11 +174,23 @@ class NumNonNulls(Func):
 class ClusterMember(models.Model):
     # Evaluation garbage collection (or retention) deletes members with their job or cluster.
     cluster_job = models.ForeignKey(ClusterJob, on_delete=models.DB_CASCADE, related_name="members")
+    # Indexed by the unique partial indexes below alone: a member's job is never NULL where
+    # it is looked up, and a full index would also hold the other kind's NULLs.
     evaluation = models.ForeignKey(
-        Evaluation, null=True, blank=True, on_delete=models.DB_CASCADE, related_name="+"
+        Evaluation,
+        null=True,
+        blank=True,
+        on_delete=models.DB_CASCADE,
+        related_name="+",
+        db_index=False,
     )
     derivation_build = models.ForeignKey(
-        DerivationBuild, null=True, blank=True, on_delete=models.DB_CASCADE, related_name="+"
+        DerivationBuild,
+        null=True,
+        blank=True,
+        on_delete=models.DB_CASCADE,
+        related_name="+",
+        db_index=False,
     )
     role = models.CharField(max_length=100)
     primary = models.BooleanField(default=False)

@@ -180,3 +180,38 @@ def test_garbage_collecting_a_member_job_removes_the_member(raw_sql):
     )
     raw_sql("DELETE FROM derivation_build WHERE id = %s", [build_member.derivation_build_id])
     assert list(ClusterMember.objects.all()) == [sibling]
+
+
+# The columns a cascade or a lookup finds rows by, each with the one index that leads with it.
+SINGLY_INDEXED = [
+    ("cluster_member", "evaluation_id", ONE_CLUSTER_PER_EVALUATION),
+    ("cluster_member", "derivation_build_id", ONE_CLUSTER_PER_BUILD),
+    ("idle_slot", "worker_id", "idx-idle_slot-worker-kind"),
+]
+
+
+@pytest.mark.parametrize(("table", "column", "index"), SINGLY_INDEXED)
+def test_a_lookup_column_has_one_index_and_a_generic_plan_uses_it(table, column, index):
+    """A second index leading with the same column costs every insert and delete a write for
+    nothing: the unique one serves the lookups, a cascade's prepared one included."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT array_agg(i.indexrelid::regclass::text) FROM pg_index i
+            JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+            WHERE i.indrelid = %s::regclass AND a.attname = %s
+            """,
+            [table, column],
+        )
+        assert cursor.fetchone()[0] == [f'"{index}"']
+        value = "1" if column == "worker_id" else "gen_random_uuid()"
+        with transaction.atomic():
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute(f"PREPARE lookup AS DELETE FROM {table} WHERE {column} = $1")
+            try:
+                cursor.execute(f"EXPLAIN EXECUTE lookup({value})")
+                plan = "\n".join(row[0] for row in cursor.fetchall())
+            finally:
+                cursor.execute("DEALLOCATE lookup")
+    assert f'"{index}"' in plan

@@ -78,7 +78,12 @@ class IdleSlot(models.Model):
     """An empty answer to RequestJob: the worker has a free slot of this kind. The planner's
     only view of free capacity; it trusts a slot for GRADIENT_IDLE_SLOT_TTL_SECS."""
 
-    worker = models.ForeignKey(Worker, on_delete=models.DB_CASCADE, related_name="idle_slots")
+    worker = models.ForeignKey(
+        Worker,
+        on_delete=models.DB_CASCADE,
+        related_name="idle_slots",
+        db_index=False,  # idx-idle_slot-worker-kind leads with the worker
+    )
     kind = models.CharField(max_length=8)
     recorded_at = models.DateTimeField()
 
