@@ -653,6 +653,7 @@ PER_RUN_HEADER = [
     "answer to record s",
     "fleet's loop late s",
 ]
+HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
 PER_RUN_LEAD = (
     "Per run: the dispatch passes that saw a ready cluster (Celery's log of the whole run), and"
     " where the window's members waited between their claim and their acceptance's record"
@@ -672,9 +673,6 @@ def per_run_rows(results: list[dict]) -> list[list]:
         hops = [spread_text(r["hops"].get(k), 2) for k in HOPS]
         out.append([run_label(r), *seen, *hops, spread_text(r["lag"], 3)])
     return out
-
-
-HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
 
 
 def observed(results: list[dict]) -> list[str]:
