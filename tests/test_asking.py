@@ -5,10 +5,14 @@ their answers, or GRADIENT_SCORE_WAIT_MS after the offers for a silent one."""
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from clusters.dispatch import run_pass
+from clusters.asking import Asking
+from clusters.dispatch import run_pass, snapshot
 from clusters.models import ClusterAttempt, ClusterJob
+from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from gradient.wire.protocol import Score
 from tests.clusterflow import Inbox, idle_workers
@@ -233,8 +237,6 @@ def test_a_new_cluster_is_asked_at_once_even_before_it_can_be_placed():
 
 
 def test_the_new_clusters_of_the_head_are_offered_in_one_statement(settings):
-    from django.db import connection
-    from django.test.utils import CaptureQueriesContext
 
     settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 4}
     workers = idle_workers(3, kinds=("build",))
@@ -256,8 +258,6 @@ def test_the_new_clusters_of_the_head_are_offered_in_one_statement(settings):
 def test_a_pass_runs_offer_statements_for_a_window_of_clusters_however_many_ask_in_vain(settings):
     """Seats offered a cluster before and silent since are not asked again: a placement that
     would use them asks in vain. Each such ask is a statement, so it counts against the head."""
-    from django.db import connection
-    from django.test.utils import CaptureQueriesContext
 
     settings.GRADIENT = {**settings.GRADIENT, "OFFER_WINDOW": 2}
     workers = idle_workers(3, kinds=("build",))
@@ -278,11 +278,6 @@ def test_the_unanswered_offers_are_read_per_member_whatever_the_idle_fleet(analy
     """A pass reads which members wait for an idle seat's answer once per member, even under
     the generic plan PostgreSQL keeps for a prepared statement: with the idle workers as a
     second array in the index's condition, it probed the index once per (member, worker)."""
-    from django.db import connection
-
-    from clusters.asking import Asking
-    from clusters.dispatch import snapshot
-    from clusters.tracking import startable_clusters
 
     workers = idle_workers(60, kinds=("build",))
     asked = [cluster_of_builds(2) for _ in range(3)]

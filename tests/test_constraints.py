@@ -182,16 +182,17 @@ def test_garbage_collecting_a_member_job_removes_the_member(raw_sql):
     assert list(ClusterMember.objects.all()) == [sibling]
 
 
-# The columns a cascade or a lookup finds rows by, each with the one index that leads with it.
+# The columns a cascade or a lookup finds rows by, each with the one index that leads with it,
+# and a value of the column's type to look up.
 SINGLY_INDEXED = [
-    ("cluster_member", "evaluation_id", ONE_CLUSTER_PER_EVALUATION),
-    ("cluster_member", "derivation_build_id", ONE_CLUSTER_PER_BUILD),
-    ("idle_slot", "worker_id", "idx-idle_slot-worker-kind"),
+    ("cluster_member", "evaluation_id", ONE_CLUSTER_PER_EVALUATION, "gen_random_uuid()"),
+    ("cluster_member", "derivation_build_id", ONE_CLUSTER_PER_BUILD, "gen_random_uuid()"),
+    ("idle_slot", "worker_id", "idx-idle_slot-worker-kind", "1"),
 ]
 
 
-@pytest.mark.parametrize(("table", "column", "index"), SINGLY_INDEXED)
-def test_a_lookup_column_has_one_index_and_a_generic_plan_uses_it(table, column, index):
+@pytest.mark.parametrize(("table", "column", "index", "value"), SINGLY_INDEXED)
+def test_a_lookup_column_has_one_index_and_a_generic_plan_uses_it(table, column, index, value):
     """A second index leading with the same column costs every insert and delete a write for
     nothing: the unique one serves the lookups, a cascade's prepared one included."""
     with connection.cursor() as cursor:
@@ -204,7 +205,6 @@ def test_a_lookup_column_has_one_index_and_a_generic_plan_uses_it(table, column,
             [table, column],
         )
         assert cursor.fetchone()[0] == [f'"{index}"']
-        value = "1" if column == "worker_id" else "gen_random_uuid()"
         with transaction.atomic():
             cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
             cursor.execute("SET LOCAL enable_seqscan = off")
