@@ -70,11 +70,12 @@ class Scores:
             row = self._rows[key] = _row(self._pool.column_of(ids), sizes, complete)
         return row
 
-    def complete(self, keys: list[str]) -> None:
-        """Replace the cheapest-only rows of these keys by their full lists."""
+    def complete(self, keys: list[str], worker_ids: np.ndarray) -> None:
+        """Replace the cheapest-only rows of these keys by their every score from these
+        workers: complete as far as the planner looks from now on, if it looks no further."""
         if self._load is None:
             raise ValueError("truncated scores without load_scores")
-        full = self._load(keys)
+        full = self._load(keys, worker_ids)
         for key in keys:
             self._full[key] = full.get(key, NO_SCORES)
             self._rows.pop(key, None)

@@ -26,6 +26,10 @@ from clusters.pool import KINDS, Pool
 UNSCORED_COST = 2**80
 # Why a quarantined worker seats no member (workers.health), the first reason given.
 QUARANTINED = "quarantined"
+# With this few workers left free, a cluster is first asked whether they can seat it at all,
+# before its scores are read: late in a large pass most cannot, and a matching over a few
+# hundred columns costs less than reading scores to learn it.
+FEW_FREE = 256
 
 
 # One job key's scores: worker ids and their missing_nar_size, sorted by (size, worker id).
@@ -80,10 +84,11 @@ class Snapshot:
     # score_arrays() builds them from plain dicts.
     score_arrays: Mapping[str, ScoreArrays] | None = None
     # Keys whose score_arrays hold only their cheapest scores, sorted by (size, worker id): a
-    # prefix of the full list. plan() asks load_scores for a key's full arrays whenever its
-    # cheapest could be too few to decide (see _place).
+    # prefix of the full list. plan() asks load_scores(keys, worker ids) for the keys' scores
+    # from those workers (others may come along) whenever their cheapest could be too few to
+    # decide (see _place): the ids are every free worker that could seat the keys' members.
     truncated: frozenset[str] = frozenset()
-    load_scores: Callable[[list[str]], Mapping[str, ScoreArrays]] | None = None
+    load_scores: Callable[[list[str], np.ndarray], Mapping[str, ScoreArrays]] | None = None
 
 
 @dataclass(frozen=True)
@@ -202,9 +207,11 @@ def _place(cluster: Cluster, pool: Pool, scores: matching.Scores) -> Placement |
 def _place_on(cluster: Cluster, seatable: np.ndarray, pool: Pool, scores: matching.Scores):
     """The cheapest placement on the seats that `seatable` (members x columns) allows."""
     members = cluster.members
+    groups = pool.groups(cluster.same_zone)
     if not seatable.any(axis=1).all():
         return None  # a member without any seat: no need to read the scores
-    groups = pool.groups(cluster.same_zone)
+    if pool.free <= FEW_FREE and not _could_seat(seatable, groups):
+        return None
     rows = [scores.row(m.key) for m in members]
     apart = _apart(cluster, seatable, rows, pool, groups)
     if apart is not None:
@@ -212,15 +219,18 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: Pool, scores: matchi
     # Each member's scored seats, cheapest first; per zone, the solver sees their shortlist.
     preferred = matching.preferred(seatable, rows)
     # A member's cheapest scores decide only while they hold k seats of every group: its k
-    # cheapest there are then the same as in its full list (both sorted alike). Else read it all.
+    # cheapest there are then the same as in its full list (both sorted alike). Else read its
+    # scores from every free seat it has: seats are only taken during a pass, never freed, so
+    # those scores stay enough for the rest of it.
     k = len(members)
     short = [
-        m.key
+        m
         for m, row, seats in zip(members, rows, preferred, strict=True)
         if not row.complete and pool.short_of(seats, cluster.same_zone, k)
     ]
     if short:
-        scores.complete(short)
+        free = np.stack([pool.eligible(m) for m in short]).any(axis=0) & pool.available
+        scores.complete([m.key for m in short], pool.ids[free])
         rows = [scores.row(m.key) for m in members]
         preferred = matching.preferred(seatable, rows)
     # A truncated row leaves its member's dearer scores out of the matrix (the stand-in cost
@@ -250,6 +260,16 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: Pool, scores: matchi
         for member, column, size in zip(members, seated_columns.tolist(), seated_sizes, strict=True)
     )
     return Placement(cluster.id, zone if cluster.same_zone else None, seats, total)
+
+
+def _could_seat(seatable: np.ndarray, groups) -> bool:
+    """Whether some group seats every member on a worker of its own, whatever the cost."""
+    for _, columns in groups:
+        within = seatable[:, columns]
+        within = within[:, within.any(axis=0)]
+        if matching.solve(np.where(within, 0.0, np.inf)) is not None:
+            return True
+    return False
 
 
 def _apart(cluster: Cluster, seatable: np.ndarray, rows: list[matching.Row], pool: Pool, groups):

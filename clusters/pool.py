@@ -60,6 +60,7 @@ class Pool:
         self._column = {w.id: i for i, w in enumerate(self.workers)}
         # A worker seated for one cluster is not offered to the next.
         self.available = np.ones(self.size, dtype=bool)
+        self.free = self.size  # how many are still available
         # Inverted indexes, one pass each, so a new profile costs a few mask operations.
         self._by_kind = {kind: self._where(w for w in workers if _takes(w, kind)) for kind in KINDS}
         # A name is one worker's: its column, not a mask of the whole pool per worker.
@@ -111,6 +112,7 @@ class Pool:
     def take(self, placement: Placement) -> None:
         for seat in placement.seats:
             self.available[self._column[seat.worker.id]] = False
+        self.free -= len(placement.seats)  # a placement's seats are distinct workers
 
     def column_of(self, worker_ids: np.ndarray) -> np.ndarray:
         """The column of each worker id, -1 for a worker not in the pool."""

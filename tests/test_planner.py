@@ -279,3 +279,42 @@ def test_a_worker_that_left_the_last_prepare_unanswered_is_seated_only_when_need
     # With no placement without it, the cluster still sits rather than waits.
     placement = only(plan(snapshot([avoiding], [worker(1), worker(2)], scores)))
     assert sorted(seat.worker.id for seat in placement.seats) == [1, 2]
+
+
+def truncated(snap, keys, full_scores):
+    """The snapshot with none of these keys' cheapest scores read, and a loader of their
+    scores that records what it was asked (keys, worker ids)."""
+    asked = []
+
+    def load(keys, worker_ids):
+        asked.append((sorted(keys), sorted(worker_ids.tolist())))
+        return planner.score_arrays(
+            {key: {w: size for (w, k), size in full_scores.items() if k == key} for key in keys}
+        )
+
+    cheap = dataclasses.replace(snap, truncated=frozenset(keys), load_scores=load)
+    return cheap, asked
+
+
+def test_scores_left_unread_are_read_from_the_free_workers_alone():
+    first = cluster(member("a"), id=1)
+    late = cluster(member("b"), id=2)
+    workers = [worker(1), worker(2), worker(3), worker(4, arch=(ARM,))]
+    snap = snapshot([first, late], workers, {(1, "build:a"): 0})
+    cheap, asked = truncated(snap, ["build:b"], {(2, "build:b"): 9, (3, "build:b"): 5})
+
+    placements = plan(cheap)
+
+    # w1 went to the first cluster, and w4 cannot build for x86: w2 and w3 are asked about.
+    assert asked == [(["build:b"], [2, 3])]
+    assert [names(p) for p in placements] == [["w1"], ["w3"]]
+
+
+def test_a_cluster_the_free_workers_cannot_seat_reads_no_scores():
+    # Both members can sit on w1 alone: no seating, whatever the scores say.
+    stuck = cluster(member("a", arch=ARM), member("b", arch=ARM), id=1)
+    workers = [worker(1, arch=(X86, ARM)), worker(2)]
+    cheap, asked = truncated(snapshot([stuck], workers), ["build:a", "build:b"], {})
+
+    assert plan(cheap) == []
+    assert asked == []

@@ -179,7 +179,7 @@ def test_match_seats_every_member_on_its_own_worker_whenever_one_can(seed):
 
 def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
     """The snapshot as the dispatch pass reads it: each job's `keep` cheapest scores by (size,
-    worker id), and a loader for the full lists (the keys it was asked for are recorded)."""
+    worker id), and a loader for the rest (the keys it was asked for are recorded)."""
     full: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     by_job: dict[str, list[tuple[int, int]]] = {}
     for (worker_id, key), size in flat(snap).items():
@@ -194,9 +194,15 @@ def cheapest_only(snap: Snapshot, keep: int) -> tuple[Snapshot, list]:
             truncated.add(key)
     asked: list = []
 
-    def load(keys):
+    def load(keys, worker_ids):
+        # Only the workers asked about: a planner that asked about too few would misplace.
         asked.append(list(keys))
-        return {k: full[k] for k in keys if k in full}
+        out = {}
+        for key in set(keys) & set(full):
+            ids, sizes = full[key]
+            kept = np.isin(ids, worker_ids)
+            out[key] = (ids[kept], sizes[kept])
+        return out
 
     cheap = dataclasses.replace(
         snap, score_arrays=prefixes, truncated=frozenset(truncated), load_scores=load

@@ -4,6 +4,7 @@ import struct
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from clusters.scores import FIRST_CHUNK, READ_AHEAD, SCORE_CHUNK, CheapestScores, _unpack_all
@@ -114,3 +115,24 @@ def test_the_planner_seats_the_first_cluster_before_the_last_chunk_is_read():
         assert not scores._read[-1].is_set()
     finally:
         scores.finish()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_scores_from_a_few_workers_are_theirs_alone_and_from_many_every_one():
+    from clusters.scores import PROBED_WORKERS, all_scores
+    from tests.factories import WorkerFactory, answered_scores
+
+    workers = WorkerFactory.create_batch(PROBED_WORKERS + 2)
+    key, other = f"build:{uuid.uuid4()}", f"build:{uuid.uuid4()}"
+    answered_scores((w, k, 50 - i % 7) for k in (key, other) for i, w in enumerate(workers))
+    ids = np.array([workers[3].pk, workers[10].pk, workers[9].pk, 10**9])  # the last: no scores
+
+    read = all_scores([key], ids)
+
+    assert list(read) == [key]
+    # Sorted by size, then worker id: 50 - 3, 50 - 3 (10 % 7), 50 - 2 (9 % 7).
+    assert read[key][0].tolist() == [workers[3].pk, workers[10].pk, workers[9].pk]
+    assert read[key][1].tolist() == [47, 47, 48]
+    # Past PROBED_WORKERS, the full list: the workers not asked about come along.
+    many = np.array([w.pk for w in workers[:-1]])
+    assert sorted(all_scores([key], many)[key][0].tolist()) == sorted(w.pk for w in workers)
