@@ -454,9 +454,10 @@ def pass_method(repeat: int) -> list[str]:
         " when no reservation is active: the planner's match over every connected worker.",
         "Where the time goes: the reader takes the 129 cheapest scores of each member job from"
         " `idx-job_score-job-size` alone (about half a million index entries at 1,000 x 5,000);"
-        " nine clusters in ten are seated without the solver; each batch of 128 placements is"
-        ' claimed in a handful of set-based statements (docs/design.md, "The dispatch pass on'
-        ' five threads").',
+        " once the fleet is nearly full, a cluster its few free workers cannot seat reads no"
+        " more; nine clusters in ten are seated without the solver; each batch of 128"
+        ' placements is claimed in a handful of set-based statements (docs/design.md, "The'
+        ' dispatch pass on five threads").',
         "History: the smallest size again with finished clusters kept behind the ready ones"
         " (Completed, their attempt Succeeded, their four jobs Completed), as a server keeps"
         ' them until retention: the pass reads none of them (docs/design.md, "The cluster'
