@@ -264,8 +264,14 @@ def _place_on(cluster: Cluster, seatable: np.ndarray, pool: Pool, scores: matchi
 
 def _could_seat(seatable: np.ndarray, groups) -> bool:
     """Whether some group seats every member on a worker of its own, whatever the cost."""
+    k = len(seatable)
     for _, columns in groups:
         within = seatable[:, columns]
+        seats = within.sum(axis=1)
+        if (seats >= k).all():
+            return True  # seated in turn, each finds a seat the others before it left
+        if not seats.all():
+            continue
         within = within[:, within.any(axis=0)]
         if matching.solve(np.where(within, 0.0, np.inf)) is not None:
             return True
