@@ -353,9 +353,9 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         feeder.measuring = False
         # Before the fleet stops: its disconnects abandon whatever the workers hold.
         ended = await asyncio.to_thread(outcomes)
-        hops = await asyncio.to_thread(
-            closing(lambda: member_hops(tally.hops, since_wall, until_wall))
-        )
+        # A copy taken on the loop: the fleet goes on adding hops while the thread reads them.
+        taken = dict(tally.hops)
+        hops = await asyncio.to_thread(closing(lambda: member_hops(taken, since_wall, until_wall)))
         during = {k: tally.events[k] - before.get(k, 0) for k in tally.events}
     finally:
         lag.cancel()
