@@ -25,6 +25,8 @@ from gradient.wire.keys import JOB_KEY_PATTERN, UUID_PATTERN
 
 MAX_FRAME_BYTES = 1024 * 1024
 MAX_SIGNAL_PAYLOAD_BYTES = 64 * 1024
+# The end of a job's output that a report carries and the server keeps (protocol.md).
+MAX_LOG_TAIL_BYTES = 64 * 1024
 PROTOCOL_VERSION = 1
 HEARTBEAT_SECS = 10
 
@@ -116,10 +118,16 @@ class AssignJobResponse(Message):
     reason: StrictStr | None = None
 
 
+# A job's output may hold any byte; PostgreSQL text holds no NUL, so a report's NULs are a
+# mistyped field, as in every other string the server stores.
+LogTail = Annotated[StrictStr, StringConstraints(pattern=NO_NUL)]
+
+
 class JobCompleted(Message):
     job_id: JobKey
     assignment_id: Uuid
     elapsed_ms: NonNegative
+    log_tail: LogTail | None = None
 
 
 class JobFailed(Message):
@@ -127,6 +135,7 @@ class JobFailed(Message):
     assignment_id: Uuid
     error: StrictStr
     kind: FailureKind
+    log_tail: LogTail | None = None
 
 
 class MemberRef(Message):
@@ -195,6 +204,10 @@ class JobSpec(Message):
     architecture: str
     required_features: list[str]
     steps: list[str]
+    # What to run (protocol.md, "Running real work"): argv, extra environment, a time limit.
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_secs: int | None = None
 
 
 class ClusterHold(Message):
