@@ -8,7 +8,7 @@ from typing import TextIO
 
 # Events an operator should notice; the rest are the agent going about its work.
 WARNINGS = {"connect_failed", "disconnected", "rejected", "failed", "aborting", "released_hold"}
-ERRORS = {"error", "run_error", "fatal"}
+ERRORS = {"error", "run_error", "fatal", "cleanup_failed", "signal_send_failed"}
 HIDDEN = {"payload"}
 
 

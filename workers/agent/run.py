@@ -59,12 +59,15 @@ async def prepare(agent, job: Job) -> JobProcess:
 
 
 async def cleanup(agent, job: Job) -> None:
-    """After the run: a member's socket and files go; old job directories are pruned."""
-    if job.attempt is not None:
-        await agent.hub.close(job.attempt)
-        files = agent.runtime / "members" / job.assignment_id
-        await asyncio.to_thread(_remove, files)
-    await asyncio.to_thread(agent.prune)
+    """After the run: a member's socket and files go; old job directories are pruned. A
+    failure here is logged, never taken for the job's."""
+    try:
+        if job.attempt is not None:
+            await agent.hub.close(job.attempt)
+            await asyncio.to_thread(_remove, agent.runtime / "members" / job.assignment_id)
+        await asyncio.to_thread(agent.prune)
+    except OSError as exc:
+        agent._record("cleanup_failed", **job.ids(), error=str(exc))
 
 
 def _remove(directory: Path) -> None:
