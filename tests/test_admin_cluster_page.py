@@ -170,11 +170,11 @@ def test_each_seat_shows_how_it_ended_with_its_log_tail_escaped(admin_client):
     assert f'data-seat="client/0" data-assignment="{client_seat.pk}"' in text
     assert 'Failed (permanent): <span class="error">exit status 1 &lt;from make&gt;</span>' in text
     assert (
-        '<pre class="log-tail">make: *** [check] Error 1\n'
-        "&lt;script&gt;alert(1)&lt;/script&gt;\n</pre>"
+        '<div class="log-tail"><pre>make: *** [check] Error 1\n'
+        "&lt;script&gt;alert(1)&lt;/script&gt;\n</pre></div>"
     ) in text
     assert "<script>alert(1)" not in text
-    assert '<pre class="log-tail">served 12 clients\n</pre>' in text
+    assert '<div class="log-tail"><pre>served 12 clients\n</pre></div>' in text
     # A seat that ended without a report's output or kind shows no ending line.
     abandoned = next(s for s in failed_bar["seats"] if s["label"] == "server/0")
     assert f'data-assignment="{abandoned["assignment_id"]}"' not in text
@@ -208,7 +208,7 @@ def test_older_attempts_link_to_their_seats_output_instead_of_showing_it(admin_c
     # The assignment's own page shows it, in a box of its own.
     assignment = admin_client.get(url)
     assert assignment.status_code == 200
-    assert '<pre class="log-tail">output of attempt 0</pre>' in assignment.text
+    assert '<div class="log-tail"><pre>output of attempt 0</pre></div>' in assignment.text
 
 
 def test_the_members_table_shows_what_each_member_runs(admin_client):

@@ -74,4 +74,4 @@ class DispatchedJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
     def output(self, row):
         if row.log_tail is None:
             return "-"
-        return format_html('<pre class="log-tail">{}</pre>', row.log_tail)
+        return format_html('<div class="log-tail"><pre>{}</pre></div>', row.log_tail)
