@@ -16,8 +16,6 @@ def level(event: dict) -> str:
     name = event["event"]
     if name in ERRORS:
         return "error"
-    if name == "stopped" and event.get("reason") not in (None, "stopped"):
-        return "error"
     return "warning" if name in WARNINGS else "info"
 
 

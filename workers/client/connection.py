@@ -57,6 +57,7 @@ class Connection:
         self._changed = asyncio.Event()  # a report or a job left: settled() looks again
         self._outbox = Outbox(self._changed)
         self._heartbeat: asyncio.Task | None = None
+        self._answering = asyncio.Lock()  # held while an offer is scored
         self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -298,13 +299,15 @@ class Connection:
                 await self._request(kind)
 
     async def _request(self, kind: str) -> None:
-        if self.connected:
-            await self._send(p.RequestJob(kind=kind))
+        async with self._answering:  # an offer's scores go first
+            if self.connected:
+                await self._send(p.RequestJob(kind=kind))
 
     async def _on_offer(self, offer: p.JobOffer) -> None:
-        # Answered here, before the reader takes the next frame, so always before the next
-        # RequestJob this worker sends.
-        await self._send(p.JobScores(scores=await self._scores(offer.jobs)))
+        # Answered before the reader takes the next frame, and before any RequestJob that a
+        # heartbeat or a finished job would send meanwhile.
+        async with self._answering:
+            await self._send(p.JobScores(scores=await self._scores(offer.jobs)))
 
     async def _scores(self, jobs: list[p.OfferedJob]) -> list[p.Score]:
         """What this worker would fetch for each offered job."""
