@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "channels",
     "pgtrigger",
+    "gradient.apps.GradientConfig",
     "gradient.jobs",
     "workers",
     "clusters",
