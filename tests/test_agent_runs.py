@@ -95,6 +95,9 @@ async def test_a_member_runs_after_start_cluster_knowing_its_place_and_its_peers
         assert not agent.named("started")  # held: nothing runs before StartCluster
         await session.send(roster("10.0.0.1:5432", None))
         done = await session.expect(p.JobCompleted)
+        received = await agent.wait_event("start_cluster", job_id=build(1))
+        started = await agent.wait_event("started", job_id=build(1))
+    assert received["attempt"] == ATT1 and received["time"] <= started["time"]
     lines = done.log_tail.splitlines()
     assert lines[0] == f"{ATT1} db 0 10.0.0.1:5432 "
     assert lines[1:3] == ["10.0.0.1:5432", "agent-2"]

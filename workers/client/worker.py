@@ -154,6 +154,8 @@ class Worker(Connection):
             self._record("start_ignored", attempt=start.attempt)
             return
         for job in members:
+            # When StartCluster reached this member: "started" comes once its run is under way.
+            self._record("start_cluster", **job.ids())
             job.timer.cancel()
             job.roster = roster
             self._start(job)
