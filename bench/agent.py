@@ -129,17 +129,10 @@ def trial(path: Path, starts: Path) -> dict:
     return {"cluster": cluster, "submitted": submitted, "members": members}
 
 
-def start_cluster_times(procs: common.Processes, names: list[str]) -> dict[str, float]:
-    """Each assignment's StartCluster as its agent logged it: assignment id -> epoch seconds."""
-    out = {}
-    for name in names:
-        for line in procs.log_text(name).splitlines():
-            if not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            if event.get("event") == START_EVENT:
-                out[event["assignment_id"]] = datetime.fromisoformat(event["time"]).timestamp()
-    return out
+def agent_events(procs: common.Processes, names: list[str]) -> list[dict]:
+    """Every agent's JSON log lines."""
+    lines = (line for name in names for line in procs.log_text(name).splitlines())
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def run(sizes: list[int], trials: int, settle_load: float) -> dict:
@@ -174,11 +167,21 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
     finally:
         procs.stop()
         common.flush_redis(env["REDIS_URL"])
-    received = start_cluster_times(procs, names)
+    events = agent_events(procs, names)
+    received = {
+        e["assignment_id"]: datetime.fromisoformat(e["time"]).timestamp()
+        for e in events
+        if e["event"] == START_EVENT
+    }
+    agent_errors = [e for e in events if e["level"] == "error"]
     for r in results:
         for m in r["members"]:
             m["start_ms"] = (m["running"] - received[m["assignment"]]) * 1000
-    print(f"logs in {tmp / 'logs'}; {len(crashes)} crash(es), {tracebacks} traceback(s)")
+    print(
+        f"logs in {tmp / 'logs'}; {len(crashes)} crash(es), {tracebacks} traceback(s),"
+        f" {len(agent_errors)} agent error(s)",
+        flush=True,
+    )
     jobs = sum(r["k"] for r in results)
     return {
         "results": results,
@@ -189,6 +192,7 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
         "jobs": jobs,
         "crashes": crashes,
         "tracebacks": tracebacks,
+        "agent_errors": len(agent_errors),
         "load": f"{load_before} at the start, {common.load()} at the end",
     }
 
@@ -277,8 +281,9 @@ def method(r: dict, settle_load: float) -> list[str]:
     return [
         "Stack: daphne (`gradient.serve`), one Celery worker (`-c 2`) and beat as subprocesses on"
         f" the bench database and Redis database {REDIS_DB}, default settings.",
-        f"Agents: {r['agents']} `gradient-worker` processes on the same machine, each `--builds 1"
-        " --log-format json`, with a token file, an endpoint and a work directory of its own.",
+        f"Agents: {r['agents']} `gradient-worker` processes sharing the machine's cores with the"
+        " server, each `--builds 1 --log-format json`, with a token file, an endpoint and a work"
+        " directory of its own.",
         "A trial: a cluster of k build members submitted with `submit_cluster --file` (in the"
         " script's process), each member's command `sh -c 'exec date +%s.%N > DIR/"
         "$GRADIENT_ASSIGNMENT_ID'`; the next is submitted once it has completed."
@@ -297,8 +302,12 @@ def method(r: dict, settle_load: float) -> list[str]:
         " 22.05 with 8 slurmd nodes on loopback took a median of 34 to 43 ms from `srun -N k` to"
         " the last of its k tasks running (k = 2 to 4), and its node side (slurmd, slurmstepd,"
         " srun) spent about 28 ms of CPU per task started.",
-        f"Started after a `CHECKPOINT`, once the load average was below {settle_load:g} (5"
-        " minutes at most).",
+        "Started after a `CHECKPOINT`"
+        + (
+            f", once the load average was below {settle_load:g} (5 minutes at most)."
+            if settle_load
+            else ", without waiting for the load average to fall."
+        ),
         f"Targets: spread under {SPREAD_TARGET_MS:.0f} ms and the slowest member running within"
         f" {START_TARGET_MS:.0f} ms of its StartCluster, at the median, for every size.",
     ]
@@ -309,7 +318,7 @@ def section(command: str, r: dict, settle_load: float) -> str:
         f"Agent CPU: {r['cpu_ms_per_job']:.1f} ms per job ({r['jobs']} jobs).",
         "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
         f" `raised unexpected` in Celery's): {len(r['crashes'])}; tracebacks of any kind there:"
-        f" {r['tracebacks']}.",
+        f" {r['tracebacks']}. Agent log lines at level error: {r['agent_errors']}.",
         *common.run_facts(command, r["load"]),
     ]
     body = common.table(HEADER, rows(r))
@@ -319,7 +328,7 @@ def section(command: str, r: dict, settle_load: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--database", default=DATABASE_URL)
-    parser.add_argument("--trials", type=int, default=40, help="clusters of each size")
+    parser.add_argument("--trials", type=int, default=100, help="clusters of each size")
     parser.add_argument("--sizes", default="2,4,8", help="cluster sizes; one agent per seat")
     parser.add_argument(
         "--settle-load",
@@ -343,7 +352,7 @@ def main() -> None:
         args.write,
         SECTION,
         lambda: section(command, result, args.settle_load),
-        crashed=bool(result["crashes"]),
+        crashed=bool(result["crashes"] or result["agent_errors"]),
         bench=BENCH,
         figures=figures(result),
     )
