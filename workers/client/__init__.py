@@ -6,20 +6,16 @@ while disconnected for the next session. What a run is and how a worker scores a
 subclasses' (Worker._execute, Worker._scores).
 
 Imports only the wire format: a worker machine has no database, no Redis and no settings.
-By concept: config (what a worker can do, how it reconnects), events (its record of what
-happened), connection (the session), jobs (what it holds and runs), worker (the two joined).
+By concept: config (what a worker can do, how it reconnects), servers (where it connects),
+events (its record of what happened), outbox (reports waiting for a session), connection (the
+session), jobs (an assignment and how its run ended), worker (what it does with them).
 """
 
 from workers.client.config import ClientConfig
-from workers.client.connection import (
-    DEFAULT_URL,
-    REPLACED_CLOSE_CODE,
-    Connection,
-    rotated,
-    server_urls,
-)
+from workers.client.connection import Connection
 from workers.client.events import EventLog
 from workers.client.jobs import HOLD_TIMED_OUT, Job, Outcome
+from workers.client.servers import DEFAULT_URL, REPLACED_CLOSE_CODE, rotated, server_urls
 from workers.client.worker import Worker
 
 __all__ = [

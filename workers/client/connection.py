@@ -17,22 +17,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from gradient.wire import protocol as p
 from workers.client.config import ClientConfig
 from workers.client.events import EventSink, now
-
-DEFAULT_URL = "ws://127.0.0.1:8000/proto"
-REPLACED_CLOSE_CODE = 4409
-
-
-def rotated(urls: list[str], start: int) -> list[str]:
-    start %= len(urls)
-    return urls[start:] + urls[:start]
-
-
-def server_urls(url: str | Sequence[str]) -> list[str]:
-    """One URL, or several: the servers to try in turn."""
-    urls = [url] if isinstance(url, str) else list(url)
-    if not urls:
-        raise ValueError("at least one server URL is needed")
-    return urls
+from workers.client.outbox import Outbox
+from workers.client.servers import DEFAULT_URL, REPLACED_CLOSE_CODE, Verifier, server_urls
 
 
 class Connection:
@@ -68,14 +54,13 @@ class Connection:
         seed = config.seed
         self._rng = random.Random(f"{seed}:{name}") if seed is not None else random.Random()
         self._ws: ClientConnection | None = None
-        self._outbox: list[p.Message] = []  # final reports not yet sent, oldest first
-        self._flushing = asyncio.Lock()  # one sender of the outbox at a time: none sent twice
-        self._changed = asyncio.Event()  # a job or a report left: settled() looks again
+        self._changed = asyncio.Event()  # a report or a job left: settled() looks again
+        self._outbox = Outbox(self._changed)
         self._heartbeat: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._tls: ssl.SSLContext | None = None
+        self._tls = Verifier(config.ca_file)
 
     # Public API
 
@@ -165,13 +150,6 @@ class Connection:
 
     # Connection
 
-    def _tls_for(self, url: str) -> ssl.SSLContext | None:
-        if not url.startswith("wss://"):
-            return None
-        if self._tls is None:  # the system's CAs, or only those of ca_file
-            self._tls = ssl.create_default_context(cafile=self.config.ca_file)
-        return self._tls
-
     async def _connect_once(self) -> bool:
         """One connection, until it closes. True if it got as far as an InitAck."""
         url = self.url
@@ -185,7 +163,7 @@ class Connection:
                 max_size=p.MAX_FRAME_BYTES,
                 compression=None,  # a zlib context per connection is too heavy for a fleet
                 proxy=None,
-                ssl=self._tls_for(url),
+                ssl=self._tls.context_for(url),
             ) as ws:
                 self._ws = ws
                 self._record("connected", url=url)
@@ -255,14 +233,15 @@ class Connection:
     async def _report(self, message: p.Message) -> None:
         """A job's final report: queued behind the others, sent now if a session is up, else
         by the next one, after its InitAck."""
-        self._outbox.append(message)
+        self._outbox.add(message)
         await self._flush()
 
     async def _flush(self) -> None:
-        async with self._flushing:
-            while self._outbox and self.connected and await self._send(self._outbox[0]):
-                self._outbox.pop(0)
-                self._changed.set()
+        await self._outbox.flush(self._send_in_session)
+
+    async def _send_in_session(self, message: p.Message) -> bool:
+        """Reports go only to a session that sent its InitAck."""
+        return self.connected and await self._send(message)
 
     async def settled(self) -> None:
         """Returns once the worker holds no job and every report went out."""
