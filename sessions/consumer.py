@@ -368,12 +368,19 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def on_JobCompleted(self, report: JobCompleted):
         self.singles.discard(report.job_id)  # a job never answered leaves no entry behind
-        await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
+        await report_db(reports.job_completed)(
+            self.worker_id, report.job_id, report.assignment_id, report.log_tail
+        )
 
     async def on_JobFailed(self, report: JobFailed):
         self.singles.discard(report.job_id)
         await report_db(reports.job_failed)(
-            self.worker_id, report.job_id, report.assignment_id, report.kind
+            self.worker_id,
+            report.job_id,
+            report.assignment_id,
+            report.kind,
+            report.error,
+            report.log_tail,
         )
 
     async def on_ClusterSignal(self, signal: ClusterSignal):
