@@ -110,6 +110,8 @@ def kinds(annotation) -> frozenset | None:
         return frozenset({"string"})
     if get_origin(t) is list:
         return frozenset({"array"})
+    if get_origin(t) is dict:
+        return frozenset({"object"})
     if is_model(t):
         return frozenset({"object"})
     known = {bool: "bool", int: "int", str: "string"}
@@ -137,6 +139,9 @@ def valid(annotation, metadata=()) -> st.SearchStrategy:
         return st.sampled_from(get_args(t))
     if get_origin(t) is list:
         return st.lists(valid(get_args(t)[0]), max_size=3)
+    if get_origin(t) is dict:
+        key_type, value_type = get_args(t)
+        return st.dictionaries(valid(key_type), valid(value_type), max_size=3)
     if t is bool:
         return st.booleans()
     if t is int:
