@@ -5,6 +5,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 
 import pytest
 
@@ -92,11 +93,13 @@ async def test_abort_cluster_ends_every_member_process_within_the_kill_grace(
 ):
     pids = tmp_path / "pids"
     pids.mkdir()
-    # Members that ignore SIGTERM, with a child each: only the SIGKILL after the grace ends
-    # them, and it must reach the whole process group.
+    # A member that notes its SIGTERM and goes on, with a child that ignores SIGTERM: only the
+    # SIGKILL after the grace ends them, and it must reach the whole process group.
     stubborn = sh(
-        f"trap '' TERM; sleep 600 & echo $! > {pids}/$GRADIENT_ROLE-child.pid;"
-        f" echo $$ > {pids}/$GRADIENT_ROLE.pid; wait"
+        f"(trap '' TERM; exec sleep 600) & echo $! > {pids}/$GRADIENT_ROLE-child.pid;"
+        f" echo $$ > {pids}/$GRADIENT_ROLE.pid;"
+        f" trap 'date +%s.%N > {pids}/$GRADIENT_ROLE.term' TERM;"
+        " while :; do sleep 0.05; done"
     )
     async with agents(stack, tmp_path, {"a": {}, "b": {}}) as running:
         cluster = await submit(
@@ -108,9 +111,12 @@ async def test_abort_cluster_ends_every_member_process_within_the_kill_grace(
         )
         members = await pids_in(pids, 4)
         answer = await manage(process_env, "abort_cluster", str(cluster), "--reason", "stop")
-        took = await gone(members, timeout=KILL_GRACE + 5)
+        await gone(members, timeout=KILL_GRACE + 5)
+        ended = time.time()
         assert answer == {"cluster": cluster, "status": "Aborted"}
-        assert took >= KILL_GRACE * 0.8, "killed before the grace: SIGTERM was not tried first"
+        terms = [float(f.read_text()) for f in pids.glob("*.term")]
+        assert len(terms) == 2, "every member got SIGTERM first"
+        assert ended - max(terms) >= KILL_GRACE * 0.8 and ended - min(terms) <= KILL_GRACE + 3
         rows = await until(
             lambda: [r for r in seats(cluster) if r.failure_kind == "aborted"] or None
         )

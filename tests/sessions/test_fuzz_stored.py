@@ -40,7 +40,7 @@ def extreme_frames(draw):
 
 def sent(message):
     if isinstance(message, WorkerCapabilities):
-        return message.model_dump()
+        return message.model_dump(exclude={"running"})  # the session's, not the worker row's
     return {s.job_id: (s.missing_count, s.missing_nar_size) for s in message.scores}
 
 
