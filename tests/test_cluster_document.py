@@ -184,6 +184,11 @@ DOCUMENT_REFUSALS = {
         with_members(member(features=["kvm", 1])),
         "members[0].features[1]:",
     ),
+    "an empty feature": (
+        with_members(member(features=["kvm", ""])),
+        "members[0].features: item 1 is empty",
+    ),
+    "an empty path": (with_members(member(paths=[""])), "members[0].paths: item 0 is empty"),
     "a pin naming an unknown worker": (
         with_members(member(pin="w1"), member(role="b", pin="ghost")),
         "members[1].pin: pin names unknown worker(s): 'ghost'",

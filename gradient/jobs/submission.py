@@ -67,6 +67,10 @@ class JobSpec:
             raise SubmissionError(
                 f"a feature is longer than {FEATURE_LIMIT} characters", "features"
             )
+        # No worker offers an empty feature, and no store path is empty.
+        for items, name in ((self.required_features, "features"), (self.paths, "paths")):
+            if "" in items:
+                raise SubmissionError(f"item {items.index('')} is empty", name)
         try:
             check_work(self.command, self.env, self.timeout_secs)
         except WorkError as e:
