@@ -279,7 +279,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         # On the handshake's threads too: InitAck ends a worker's start, and must not queue
         # behind the offers and RequestJobs of the sessions already started.
         closed = []
-        if self.unsettled:  # the earlier session's work, now that the worker said what it runs
+        if self.unsettled or caps.running:  # what the worker runs from an earlier session
             self.unsettled = False
             closed = await handshake_db(connection.settle_earlier)(self.worker_id, caps.running)
         worker = await handshake_db(connection.record_capabilities)(self.worker_id, caps)

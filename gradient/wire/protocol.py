@@ -103,7 +103,7 @@ class WorkerCapabilities(Message):
     endpoint: Endpoint | None = None
     # What the worker still runs, or holds a report of, from an earlier session (a server
     # restart, a lost connection): those assignments stay open instead of being given up.
-    running: Annotated[list[RunningJob], Field(max_length=10_000)] = Field(default_factory=list)
+    running: Annotated[list[RunningJob], Field(max_length=10_000)] = []
 
 
 class RequestJob(Message):

@@ -76,7 +76,13 @@ class Connection:
         return len(self._outbox)
 
     def capabilities(self) -> p.WorkerCapabilities:
-        return self.config.capabilities()
+        """What the worker can do, and what it still runs or holds a report of: after a
+        server restart or a lost connection, the server keeps those assignments open."""
+        running = [*self._running_ids(), *self._outbox.ids()]
+        return self.config.capabilities().model_copy(update={"running": running})
+
+    def _running_ids(self) -> list[p.RunningJob]:
+        return []
 
     def free_slots(self, kind: str) -> int:
         return self.config.slots(kind)

@@ -16,6 +16,10 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._reports)
 
+    def ids(self) -> list[p.RunningJob]:
+        """The assignments these reports are of: still the worker's until they are sent."""
+        return [p.RunningJob(job_id=r.job_id, assignment_id=r.assignment_id) for r in self._reports]
+
     def add(self, report: p.Message) -> None:
         self._reports.append(report)
 

@@ -69,6 +69,9 @@ class Worker(Connection):
 
     # Hooks of the connection
 
+    def _running_ids(self) -> list[p.RunningJob]:
+        return [p.RunningJob(job_id=j.job_id, assignment_id=j.assignment_id) for j in self.running]
+
     def _holds_work(self) -> bool:
         return bool(self.jobs)
 
