@@ -3,7 +3,7 @@
     bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
 
 NAME is any of: claim, dispatch-pass, gang-start, throughput, queue-depth, placement, storm,
-retention, health, session (default: all, in that order). Each runs as its own process
+retention, health, session, agent (default: all, in that order). Each runs as its own process
 (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command that its section then
 quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
 machine should be quiet: the figures move with the load average, which each section records.
@@ -36,6 +36,7 @@ BENCHES = {
     "retention": ["bench/retention.py"],
     "health": ["bench/health.py"],
     "session": ["bench/session.py"],
+    "agent": ["bench/agent.py"],
 }
 
 

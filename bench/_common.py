@@ -252,12 +252,13 @@ class Processes:
         self.names: dict[int, str] = {}  # pid -> the name given to start()
         logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """Start `args` as NAME, in the processes' environment unless `env` is given."""
         log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
             args,
             cwd=ROOT,
-            env=self.env,
+            env=self.env if env is None else env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

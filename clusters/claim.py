@@ -182,17 +182,19 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
             assigned = send(ASSIGN_BUILDS_SQL, params)
             taken = send(TAKE_SEATS_SQL, params)
         won = {row[0] for row in opened.fetchall()}
-        keys = {row[0] for row in claimed.fetchall()}
+        works = dict(claimed.fetchall())  # job key -> its work, for each member claimed
         builds = {row[0] for row in assigned.fetchall()}
         seats_taken = Counter(row[0] for row in taken.fetchall())
         for claim in claims:
             whole = (
-                all(m.gate.key in keys for m in claim.members)
+                all(m.gate.key in works for m in claim.members)
                 and all(m.gate.job in builds for m in claim.members if m.gate.kind == JobKind.BUILD)
                 and seats_taken[claim.cluster_id] == len(claim.idle_seats)
             )
             if claim.cluster_id in won and not whole:
                 raise _Lost(claim.cluster_id)
+    for member in members:
+        member.work = works.get(member.gate.key)
     return won
 
 

@@ -1,9 +1,12 @@
-"""What a cluster's admin page shows: its members, every attempt as a bar on one time axis
-with the seats it took, and while the cluster waits, why (clusters.explain). Pure but for
-overview(), which reads the cluster's rows."""
+"""What a cluster's admin page shows: its members with what each runs, every attempt as a bar
+on one time axis with the seats it took and how each ended (its outcome, a JobFailed's kind
+and error, the end of its output), and while the cluster waits, why (clusters.explain). Pure
+but for overview(), which reads the cluster's rows."""
 
+import shlex
 from datetime import datetime, timedelta
 
+from django.db.models import Case, Q, When
 from django.urls import reverse
 from django.utils import timezone
 
@@ -38,6 +41,10 @@ MIN_BAR_WIDTH = 0.4
 TICKS = 4  # intervals of the axis: labels at 0, 25, 50, 75 and 100 %
 # Workers named per reason in "why it waits"; the rest are counted.
 NAMES_PER_REASON = 8
+# The attempts, newest first, whose seats show their log tails on the page; an older seat's
+# is a link to its assignment's page. A tail is up to 64 KiB: a page of every attempt drawn
+# could run to megabytes.
+LOG_ATTEMPTS = 5
 
 
 # The timeline: pure, from attempts (anything with the four fields) and the time it is now.
@@ -173,6 +180,7 @@ def _member(m, seat: tuple[str, int]) -> dict:
         name = "evaluation" if m.evaluation_id else "derivationbuild"
         url = reverse(f"admin:jobs_{name}_change", args=[job.pk])
     return {
+        **work_shown(job),
         "label": f"{seat[0]}/{seat[1]}",
         "role": m.role,
         "index": seat[1],
@@ -185,35 +193,71 @@ def _member(m, seat: tuple[str, int]) -> dict:
     }
 
 
+def work_shown(job) -> dict:
+    """A member job's work (gradient.jobs.work) as the members' table shows it."""
+    if job is None:
+        return {"command": None, "env": [], "timeout_secs": None}
+    return {
+        "command": None if job.command is None else shlex.join(job.command),
+        "env": [f"{name}={value}" for name, value in sorted(job.env.items())],
+        "timeout_secs": job.timeout_secs,
+    }
+
+
 def _add_seats(line: dict, seat_of: dict[str, tuple[str, int]]) -> None:
-    """Each bar's seats, in roster order: one query for every attempt drawn."""
+    """Each bar's seats, in roster order, with how each ended: one query for every attempt
+    drawn, which reads the log tails of the newest LOG_ATTEMPTS alone."""
     by_attempt = {bar["attempt"].pk: bar for bar in line["bars"]}
     for bar in line["bars"]:
         bar["seats"] = []
-    rows = DispatchedJob.objects.filter(cluster_attempt__in=list(by_attempt)).values(
-        "cluster_attempt_id",
-        "job_id",
-        "worker_id",
-        "worker__name",
-        "worker__zone",
-        "outcome",
-        "accepted_at",
+    with_logs = [bar["attempt"].pk for bar in line["bars"][-LOG_ATTEMPTS:]]
+    rows = (
+        DispatchedJob.objects.filter(cluster_attempt__in=list(by_attempt))
+        .annotate(
+            has_log=Q(log_tail__isnull=False),
+            shown_log=Case(When(cluster_attempt__in=with_logs, then="log_tail")),
+        )
+        .values(
+            "id",
+            "cluster_attempt_id",
+            "job_id",
+            "worker_id",
+            "worker__name",
+            "worker__zone",
+            "outcome",
+            "accepted_at",
+            "failure_kind",
+            "error",
+            "has_log",
+            "shown_log",
+        )
     )
     for row in rows:
         bar = by_attempt[row["cluster_attempt_id"]]
         role, index = seat_of.get(row["job_id"], (None, None))
         state = row["outcome"] or _open_seat(bar["attempt"], row["accepted_at"])
+        log_elsewhere = row["has_log"] and row["shown_log"] is None
         bar["seats"].append(
             {
                 "label": row["job_id"] if role is None else f"{role}/{index}",
                 "role": role,
                 "index": index,
                 "job_id": row["job_id"],
+                "assignment_id": row["id"],
                 "worker": row["worker__name"],
                 "worker_url": reverse("admin:workers_worker_change", args=[row["worker_id"]]),
                 "zone": row["worker__zone"],
                 "state": state,
                 "colour": SEAT_COLOURS.get(state, OUTCOME_COLOURS[OPEN]),
+                # How it ended: its outcome (state), a JobFailed's kind and error, its output.
+                "failure_kind": row["failure_kind"],
+                "error": row["error"],
+                "log_tail": row["shown_log"],
+                "log_url": (
+                    reverse("admin:jobs_dispatchedjob_change", args=[row["id"]])
+                    if log_elsewhere
+                    else None
+                ),
             }
         )
     for bar in line["bars"]:

@@ -162,6 +162,7 @@ def _frames(placement: planner.Placement, claim: ClusterClaim, members: list) ->
                     row.features,
                     assignment.steps,
                     hold_of,
+                    assignment.work,
                 ),
             )
         )

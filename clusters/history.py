@@ -20,7 +20,7 @@ def describe_cluster(cluster: ClusterJob) -> dict:
     attempts = list(cluster.attempts_made.order_by("created_at", "id"))
     seats: dict = {attempt.pk: [] for attempt in attempts}
     rows = DispatchedJob.objects.filter(cluster_attempt__in=list(seats)).values(
-        "cluster_attempt_id", "job_id", "worker__name", "outcome"
+        "id", "cluster_attempt_id", "job_id", "worker__name", "outcome"
     )
     for row in rows:
         role, index = seat_of.get(row["job_id"], (None, None))
@@ -31,6 +31,7 @@ def describe_cluster(cluster: ClusterJob) -> dict:
                 "job_id": row["job_id"],
                 "worker": row["worker__name"],
                 "outcome": row["outcome"],
+                "assignment_id": str(row["id"]),  # show_log's argument
             }
         )
     for attempt_seats in seats.values():

@@ -168,12 +168,17 @@ def recover(now=None) -> dict:
     return result
 
 
-def report_lost_members(worker_id: int) -> int:
-    """The worker is gone: each of its open member rows reports into its attempt's verdict
-    (a failed prepare before the start)."""
-    rows = DispatchedJob.objects.filter(
-        worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=False
-    ).values_list("pk", "job_id")
+def report_lost_members(worker_id: int, keep=frozenset()) -> int:
+    """The worker is gone: each of its open member rows, but for those in `keep` (assignment
+    ids it still runs), reports into its attempt's verdict (a failed prepare before the
+    start)."""
+    rows = (
+        DispatchedJob.objects.filter(
+            worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=False
+        )
+        .exclude(pk__in=keep)
+        .values_list("pk", "job_id")
+    )
     for pk, job_id in rows:
         with contextlib.suppress(NotAllowed):  # decided meanwhile
             member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, LOST)

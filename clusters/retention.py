@@ -6,8 +6,9 @@ an active cluster job, nor one with an open attempt whatever its status says.
 
 Before deleting a batch, the same transaction adds its attempts to the metrics' tally, so
 /metrics never sees a counter go down. The database does the deleting: the cascades take the
-members and attempts, and the member rows in dispatched_job stay as telemetry with
-cluster_attempt NULL. Each batch is its own short
+members and attempts. The member rows in dispatched_job stay as telemetry (worker health and
+/metrics count their blame), with cluster_attempt NULL and without the job's output (its
+error and log tail), which goes with its cluster. Each batch is its own short
 transaction, so a backlog never holds long locks. Rows are taken FOR UPDATE SKIP LOCKED, so
 a second pass (or a claim or close holding a cluster's row) is skipped rather than waited on,
 and no row is deleted twice; the advisory lock only saves a second pass the work.
@@ -40,6 +41,15 @@ FOR UPDATE OF c SKIP LOCKED
 """
 
 
+# The batch's member rows lose their attempt and the output kept with them, in one write of
+# each row: the attempts' ON DELETE SET NULL then finds none left to write.
+FORGET_OUTPUT_SQL = """
+UPDATE dispatched_job d SET cluster_attempt_id = NULL, error = NULL, log_tail = NULL
+FROM cluster_attempt a
+WHERE a.cluster_job_id = ANY(%s) AND d.cluster_attempt_id = a.id
+"""
+
+
 def try_lock(cursor) -> bool:
     cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [PASS_LOCK])
     return cursor.fetchone()[0]
@@ -66,6 +76,7 @@ def run_retention(batch: int = BATCH) -> int:
             if not ids:
                 return deleted
             metrics.tally_deleted(ids)
+            cursor.execute(FORGET_OUTPUT_SQL, [ids])
             cursor.execute("DELETE FROM cluster_job WHERE id = ANY(%s)", [ids])
             deleted += cursor.rowcount
         if len(ids) < batch:

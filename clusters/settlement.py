@@ -108,7 +108,7 @@ FINISH_SQL = DISPATCHED_MACHINE.update(
     "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s"
     " AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = dispatched_job.cluster_attempt_id"
     " AND (a.started_at IS NOT NULL OR %(finish_to)s <> %(completed)s))",
-    also=", failure_kind = %(kind)s",
+    also=", failure_kind = %(kind)s, error = %(error)s, log_tail = %(log_tail)s",
 )
 # The verdict's input, the report included; no row for an assignment that is no member's.
 REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
@@ -251,15 +251,19 @@ def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> l
     return survivors
 
 
-def _record_report(worker_id, job_id, assignment_id, outcome, kind) -> tuple[Attempt, bool] | None:
+def _record_report(
+    worker_id, job_id, assignment_id, outcome, kind, output: dict
+) -> tuple[Attempt, bool] | None:
     """The report's statements up to the verdict, in one round trip: the attempt locked, the
-    row finished if the report may finish it. None when the assignment is no member's held by
-    this worker; else the attempt as they left it and whether the row finished."""
+    row finished (with the report's `output`: its error and log tail) if the report may finish
+    it. None when the assignment is no member's held by this worker; else the attempt as they
+    left it and whether the row finished."""
     params = {
         "id": assignment_id,
         "worker": worker_id,
         "job": job_id,
         "kind": kind,
+        **output,
         "completed": DispatchedOutcome.COMPLETED,
         "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
         **DISPATCHED_MACHINE.bind("finish", outcome, at=timezone.now()),
@@ -288,6 +292,23 @@ def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None
         raise NotAllowed(f"{job_id} was reported already")
 
 
+# A survivor's report comes after the verdict settled its row (it was told AbortCluster): its
+# output is what shows how it ended, kept if the row has none yet.
+KEEP_LATE_OUTPUT_SQL = """
+UPDATE dispatched_job SET error = %(error)s, log_tail = %(log_tail)s
+WHERE id = %(id)s AND error IS NULL AND log_tail IS NULL
+"""
+
+
+def keep_late_output(assignment_id, output: dict) -> None:
+    """Keep a settled row's late report's error and log tail (one statement, none when the
+    report brought neither)."""
+    if output["error"] is None and output["log_tail"] is None:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(KEEP_LATE_OUTPUT_SQL, {"id": assignment_id, **output})
+
+
 def _resolve(attempt: Attempt, *, aborted: bool = False) -> tuple[Verdict | None, list[int]]:
     """The verdict of the reports so far, settled when there is one; the survivors."""
     states = [m.state for m in attempt.members]
@@ -305,19 +326,23 @@ def member_report(
     outcome: str,
     kind: str | None = None,
     *,
+    error: str | None = None,
+    log_tail: str | None = None,
     single: Callable[[], None] | None = None,
 ) -> Verdict | None:
     """A member's JobCompleted/JobFailed (or its loss, outcome Failed with kind "lost").
 
-    Releases its job without moving it; the first deciding report resolves the attempt and
-    settles every member, in the same transaction. Before the start, a failure is a failed
-    prepare and never reaches the job. A report for a member the verdict already settled is
-    accepted and changes nothing. An assignment that is no member's is NotAllowed, or goes to
-    `single`, called in the same transaction (a JobFailed tells a single's from a member's at
-    no extra round trip)."""
+    Releases its job without moving it, keeping the report's `error` and `log_tail` with
+    its row; the first deciding report resolves the attempt and settles every member, in the
+    same transaction. Before the start, a failure is a failed prepare and never reaches the
+    job. A report for a member the verdict already settled is accepted and changes nothing
+    but the output it brings (keep_late_output). An assignment that is no member's is
+    NotAllowed, or goes to `single`, called in the same transaction (a JobFailed tells a
+    single's from a member's at no extra round trip)."""
     verdict, survivors = None, []
+    output = {"error": error, "log_tail": log_tail}
     with transaction.atomic(durable=True):
-        recorded = _record_report(worker_id, job_id, assignment_id, outcome, kind)
+        recorded = _record_report(worker_id, job_id, assignment_id, outcome, kind, output)
         if recorded is None:
             if single is None:
                 raise NotAllowed(
@@ -328,6 +353,7 @@ def member_report(
         attempt, finished = recorded
         if not finished:
             _refuse_unless_settled(attempt, assignment_id, job_id)
+            keep_late_output(assignment_id, output)
             return None
         blame = blame_for(kind)
         if attempt.started:

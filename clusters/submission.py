@@ -1,5 +1,6 @@
 """submit_cluster: a member SPEC parsed into a MemberSpec, and the cluster created with its
-member jobs in one transaction.
+member jobs in one transaction (whether its members came as SPECs or as a document,
+clusters.document).
 
 SPEC is `ROLE:KIND[:primary][:pin=WORKER][:arch=ARCH][:features=F1+F2][:paths=P1+P2]`.
 """
@@ -33,15 +34,22 @@ class MemberSpec:
     pin: str | None = None  # a worker name
 
 
+def check_role(role: str) -> None:
+    if not role.strip():
+        raise SubmissionError("empty role", "role")
+    if len(role) > ROLE_LIMIT:
+        raise SubmissionError(f"role is longer than {ROLE_LIMIT} characters", "role")
+
+
 def parse_member(spec: str) -> MemberSpec:
     """One SPEC -> MemberSpec; SubmissionError names what is wrong with it."""
     role, sep, rest = spec.partition(":")
     if not sep:
         raise SubmissionError(f"member {spec!r}: expected ROLE:KIND[:option...]")
-    if not role.strip():
-        raise SubmissionError(f"member {spec!r}: empty role")
-    if len(role) > ROLE_LIMIT:
-        raise SubmissionError(f"member {spec!r}: role is longer than {ROLE_LIMIT} characters")
+    try:
+        check_role(role)
+    except SubmissionError as e:
+        raise SubmissionError(f"member {spec!r}: {e}") from None
     kind, *parts = rest.split(":")
     options: dict[str, str | None] = {}
     for part in parts:
@@ -72,29 +80,36 @@ def parse_member(spec: str) -> MemberSpec:
 def check_members(members: list[MemberSpec]) -> None:
     """What no single SPEC can tell: there is a member, and at most one primary."""
     if not members:
-        raise SubmissionError("a cluster needs at least one --member")
+        raise SubmissionError("a cluster needs at least one --member", "members")
     primaries = [m.role for m in members if m.primary]
     if len(primaries) > 1:
-        raise SubmissionError(f"more than one primary member (roles {_names(primaries)})")
+        raise SubmissionError(
+            f"more than one primary member (roles {_names(primaries)})", "members"
+        )
 
 
-def check_pins(project: Project, pins: list[str]) -> None:
-    """A pin that can never seat its member would leave the cluster waiting forever."""
+def check_pins(project: Project, members: list[MemberSpec]) -> None:
+    """A pin that can never seat its member would leave the cluster waiting forever. The
+    refusal's field is the first such member's pin."""
+    pins = [m.pin for m in members if m.pin is not None]
+
+    def refuse(message: str, names: set[str]):
+        first = next(i for i, m in enumerate(members) if m.pin in names)
+        raise SubmissionError(f"{message}: {_names(names)}", f"members[{first}].pin")
+
     repeated = {p for p in pins if pins.count(p) > 1}
     if repeated:
-        raise SubmissionError(f"members sit on distinct workers; pinned twice: {_names(repeated)}")
+        refuse("members sit on distinct workers; pinned twice", repeated)
     workers = {w.name: w for w in Worker.objects.filter(name__in=pins)}
     unknown = set(pins) - set(workers)
     if unknown:
-        raise SubmissionError(f"pin names unknown worker(s): {_names(unknown)}")
+        refuse("pin names unknown worker(s)", unknown)
     revoked = {n for n, w in workers.items() if w.revoked_at is not None}
     if revoked:
-        raise SubmissionError(f"pin names revoked worker(s): {_names(revoked)}")
+        refuse("pin names revoked worker(s)", revoked)
     barred = {n for n, w in workers.items() if not w.may_access(project.pk)}
     if barred:
-        raise SubmissionError(
-            f"pinned worker(s) without access to project {project.name!r}: {_names(barred)}"
-        )
+        refuse(f"pinned worker(s) without access to project {project.name!r}", barred)
 
 
 def submit_cluster(
@@ -111,16 +126,18 @@ def submit_cluster(
     and a cluster with a prioritized member is placed first."""
     check_members(members)
     if retry_budget < 0:
-        raise SubmissionError(f"retry budget must not be negative, not {retry_budget}")
+        raise SubmissionError(
+            f"retry budget must not be negative, not {retry_budget}", "retry_budget"
+        )
     if retry_budget > RETRY_BUDGET_MAX:
         raise SubmissionError(
-            f"retry budget must be at most {RETRY_BUDGET_MAX}, not {retry_budget}"
+            f"retry budget must be at most {RETRY_BUDGET_MAX}, not {retry_budget}", "retry_budget"
         )
     with transaction.atomic(durable=True):
         found = Project.objects.filter(name=project).first()
         if found is None:
-            raise SubmissionError(f"unknown project {project!r}")
-        check_pins(found, [m.pin for m in members if m.pin is not None])
+            raise SubmissionError(f"unknown project {project!r}", "project")
+        check_pins(found, members)
 
         specs = [replace(m.job, prioritized=m.job.prioritized or prioritized) for m in members]
         jobs = create_jobs(found, specs)

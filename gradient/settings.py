@@ -25,6 +25,28 @@ if not SECRET_KEY:
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
+# Served over TLS (README, "Behind TLS"): daphne's own ssl endpoint, or a proxy in front that
+# terminates it. Browsers are then sent to HTTPS and kept there (HSTS), and the session and
+# CSRF cookies never travel in the clear. Off by default, for a local http://127.0.0.1.
+BEHIND_TLS = env.bool("GRADIENT_BEHIND_TLS", default=False)
+SECURE_SSL_REDIRECT = BEHIND_TLS
+# The redirect is Django's middleware's, which WebSockets never pass through (/proto is routed
+# apart, gradient.asgi), so a worker is never redirected. /metrics is exempt: a scraper often
+# reads it from inside, straight from daphne's plain port, where https:// may not answer.
+SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = BEHIND_TLS
+SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=31_536_000 if BEHIND_TLS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
+    "DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=BEHIND_TLS
+)
+SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=BEHIND_TLS)
+# Behind a proxy that terminates TLS: the header it sets to "https" on a request that came
+# over TLS (e.g. X-Forwarded-Proto). The proxy must set or remove it on every request, or a
+# client could claim TLS it never used.
+_PROXY_SSL_HEADER = env.str("DJANGO_SECURE_PROXY_SSL_HEADER", default="")
+if _PROXY_SSL_HEADER:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + _PROXY_SSL_HEADER.upper().replace("-", "_"), "https")
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -36,6 +58,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "channels",
     "pgtrigger",
+    "gradient.apps.GradientConfig",
     "gradient.jobs",
     "workers",
     "clusters",

@@ -1,6 +1,8 @@
 """A worker's session state in PostgreSQL: who is connected where, what it can do, what it was
 offered. Every function is one short transaction the consumer calls from its handlers."""
 
+from typing import NamedTuple
+
 from django.db import connection as db_connection
 from django.db import transaction
 from django.utils import timezone
@@ -8,7 +10,7 @@ from django.utils import timezone
 from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from gradient.jobs.transitions import finish_assignments
-from gradient.wire.protocol import WorkerCapabilities
+from gradient.wire.protocol import RunningJob, WorkerCapabilities
 from sessions.reports import release_single
 from workers.models import IdleSlot, JobScore, Worker, hash_token
 
@@ -38,14 +40,15 @@ def authenticate(token: str) -> tuple[int, str] | None:
         return cursor.fetchone()
 
 
-def abandon_single_assignments(worker_id: int) -> int:
+def abandon_single_assignments(worker_id: int, keep=frozenset()) -> int:
     """The worker is gone: its open single assignments end Abandoned and their jobs go back to
-    the queue. Its cluster members stay open: they are lost members of their attempt, which
-    decides their fate. Also drops its idle slots."""
+    the queue, but for those in `keep` (assignment ids it still runs). Its cluster members stay
+    open: they are lost members of their attempt, which decides their fate. Also drops its
+    idle slots."""
     rows = list(
-        DispatchedJob.objects.select_for_update().filter(
-            worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True
-        )
+        DispatchedJob.objects.select_for_update()
+        .filter(worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True)
+        .exclude(pk__in=keep)
     )
     finish_assignments([r.pk for r in rows], DispatchedOutcome.ABANDONED)
     release_single(rows)
@@ -79,28 +82,44 @@ RETURNING q.channel_name
 """
 
 
-def attach(worker_id: int, channel_name: str) -> str | None:
-    """Record this session as the worker's live one; returns the channel of the session it
-    replaces, whose work is treated as a disconnect here and now (so the old session's own
-    disconnect, seeing it is no longer the live one, does nothing)."""
+class Attached(NamedTuple):
+    previous: str | None  # the channel of the session this one replaces
+    # That session left open assignments: they are settled by settle_earlier() once the
+    # worker says what it still runs, or by detach() if this session ends first.
+    unsettled: bool
+
+
+def attach(worker_id: int, channel_name: str) -> Attached:
+    """Record this session as the worker's live one (so the old session's own disconnect,
+    seeing it is no longer the live one, does nothing)."""
     now = timezone.now()
     with db_connection.cursor() as cursor:
         cursor.execute(QUIET_ATTACH_SQL, {"worker": worker_id, "channel": channel_name, "now": now})
         row = cursor.fetchone()
     if row is not None:
-        return row[0]
+        return Attached(row[0], False)
     with transaction.atomic(durable=True):
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         previous = worker.channel_name
-        if previous is not None:
-            abandon_single_assignments(worker_id)
         JobScore.objects.filter(worker_id=worker_id).delete()
         Worker.objects.filter(pk=worker_id).update(
             channel_name=channel_name, connected_at=now, last_seen_at=now, draining=False
         )
-    if previous is not None:
-        report_lost_members(worker_id)
-    return previous
+    return Attached(previous, previous is not None)
+
+
+def settle_earlier(worker_id: int, running: list[RunningJob]) -> list[RunningJob]:
+    """The earlier session's open assignments that the worker no longer runs are given up as
+    at a disconnect; those it still runs stay open for their reports. Returns what it says it
+    runs that is no longer open here, for the session to abort."""
+    claimed = {(r.job_id, r.assignment_id) for r in running}
+    with transaction.atomic(durable=True):
+        rows = DispatchedJob.objects.filter(worker_id=worker_id, finished_at__isnull=True)
+        kept = {r.pk for r in rows.only("pk", "job_id") if (r.job_id, str(r.pk)) in claimed}
+        abandon_single_assignments(worker_id, keep=kept)
+    report_lost_members(worker_id, keep=kept)
+    still_open = {str(pk) for pk in kept}
+    return [r for r in running if r.assignment_id not in still_open]
 
 
 def detach(worker_id: int, channel_name: str) -> bool:

@@ -20,6 +20,7 @@ from gradient.logs import ids
 from gradient.wire.groups import worker_group
 from gradient.wire.protocol import (
     MAX_FRAME_BYTES,
+    AbortJob,
     AssignJobResponse,
     ClusterSignal,
     Draining,
@@ -142,7 +143,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         await self.accept()
         async with session_starts().gate:
             await self.join_group()
-            previous = await handshake_db(connection.attach)(self.worker_id, self.channel_name)
+            previous, self.unsettled = await handshake_db(connection.attach)(
+                self.worker_id, self.channel_name
+            )
         self.touched = self.seen = time.monotonic()
         if previous and previous != self.channel_name:
             # Off the start's path: after a restart every session replaces a dead one.
@@ -275,11 +278,17 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def on_WorkerCapabilities(self, caps: WorkerCapabilities):
         # On the handshake's threads too: InitAck ends a worker's start, and must not queue
         # behind the offers and RequestJobs of the sessions already started.
+        closed = []
+        if self.unsettled or caps.running:  # what the worker runs from an earlier session
+            self.unsettled = False
+            closed = await handshake_db(connection.settle_earlier)(self.worker_id, caps.running)
         worker = await handshake_db(connection.record_capabilities)(self.worker_id, caps)
         self.worker = worker
         self.ready = True
         self.slots = {"eval": caps.max_concurrent_evals, "build": caps.max_concurrent_builds}
         await self.reply(InitAck(worker=worker.name))
+        for job in closed:  # decided while the worker was away: it must not go on running
+            await self.reply(AbortJob(job_id=job.job_id, reason="no longer assigned here"))
         self.start_ended()
         # The offer goes through the bulk queue, ahead of the RequestJobs that follow, with the
         # row just written (not read again). New capabilities may fit jobs the mark has
@@ -368,12 +377,19 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def on_JobCompleted(self, report: JobCompleted):
         self.singles.discard(report.job_id)  # a job never answered leaves no entry behind
-        await report_db(reports.job_completed)(self.worker_id, report.job_id, report.assignment_id)
+        await report_db(reports.job_completed)(
+            self.worker_id, report.job_id, report.assignment_id, report.log_tail
+        )
 
     async def on_JobFailed(self, report: JobFailed):
         self.singles.discard(report.job_id)
         await report_db(reports.job_failed)(
-            self.worker_id, report.job_id, report.assignment_id, report.kind
+            self.worker_id,
+            report.job_id,
+            report.assignment_id,
+            report.kind,
+            report.error,
+            report.log_tail,
         )
 
     async def on_ClusterSignal(self, signal: ClusterSignal):

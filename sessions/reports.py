@@ -1,5 +1,8 @@
 """JobCompleted and JobFailed: finish the assignment row, then move the job.
 
+The row keeps what the report says of the run: a JobFailed's kind and error, and the end of
+the job's output (log_tail), cut as gradient.jobs.work keeps them.
+
 A single job moves through its state machine at once: success completes it, a requeueing
 failure puts it back in the queue until its attempts run out, anything else ends it. A cluster
 member's report only finishes its row: its job's transition waits for the attempt's verdict.
@@ -28,6 +31,7 @@ from gradient.jobs.models import (
 )
 from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.transitions import advance_build, advance_evaluation, finish_assignments
+from gradient.jobs.work import kept_error, kept_log_tail
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
@@ -45,11 +49,13 @@ def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
     return row
 
 
-def _finish(row: DispatchedJob, outcome: str, failure_kind: str | None = None) -> None:
+def _finish(
+    row: DispatchedJob, outcome: str, failure_kind: str | None = None, **report: str | None
+) -> None:
     # The row is locked and open (_open_row): its guarded write cannot miss.
     row.finished_at = timezone.now()
     row.outcome, row.failure_kind = outcome, failure_kind
-    finish_assignments([row.pk], outcome, row.finished_at, failure_kind)
+    finish_assignments([row.pk], outcome, row.finished_at, failure_kind, **report)
 
 
 def _assignment_pk(assignment_id: str) -> uuid.UUID:
@@ -66,6 +72,7 @@ def _assignment_pk(assignment_id: str) -> uuid.UUID:
 _DONE = DISPATCHED_MACHINE.update(
     "done",
     "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s AND cluster_attempt_id IS NULL",
+    also=", log_tail = %(log_tail)s",
     returning="steps, evaluation_id, derivation_build_id",
 )
 _BUILDS = BUILD_MACHINE.update("build", "id IN (SELECT derivation_build_id FROM done)")
@@ -92,12 +99,16 @@ COMPLETE_PARAMS = {
 }
 
 
-def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
+def job_completed(
+    worker_id: int, job_id: str, assignment_id: str, log_tail: str | None = None
+) -> None:
     pk = _assignment_pk(assignment_id)
+    log_tail = kept_log_tail(log_tail)
     params = {
         "id": pk,
         "worker": worker_id,
         "job": job_id,
+        "log_tail": log_tail,
         "fetch_only": FETCH_STEPS,
         **COMPLETE_PARAMS,
         **DISPATCHED_MACHINE.bind("done", DispatchedOutcome.COMPLETED, at=timezone.now()),
@@ -108,23 +119,31 @@ def job_completed(worker_id: int, job_id: str, assignment_id: str) -> None:
     if finished:
         return
     if is_member:
-        member_report(worker_id, job_id, pk, DispatchedOutcome.COMPLETED)
+        member_report(worker_id, job_id, pk, DispatchedOutcome.COMPLETED, log_tail=log_tail)
         return
     raise NotAllowed(f"{job_id} is not held by this worker under {assignment_id}")
 
 
-def job_failed(worker_id: int, job_id: str, assignment_id: str, kind: str) -> None:
+def job_failed(
+    worker_id: int,
+    job_id: str,
+    assignment_id: str,
+    kind: str,
+    error: str | None = None,
+    log_tail: str | None = None,
+) -> None:
     """The member path goes first; an assignment that is no member's is a single's, whose
     failure then runs in the transaction the member path opened: telling them apart costs
     neither a query of its own."""
     pk = _assignment_pk(assignment_id)
+    report = {"error": kept_error(error), "log_tail": kept_log_tail(log_tail)}
 
     def single() -> None:
         row = _open_row(worker_id, job_id, assignment_id)
-        _finish(row, DispatchedOutcome.FAILED, kind)
+        _finish(row, DispatchedOutcome.FAILED, kind, **report)
         _fail_single(row, kind)
 
-    member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, kind, single=single)
+    member_report(worker_id, job_id, pk, DispatchedOutcome.FAILED, kind, **report, single=single)
 
 
 def attempts_left(row: DispatchedJob) -> bool:

@@ -20,9 +20,9 @@ def run(*args) -> dict:
     return json.loads(line)
 
 
-def manage(*args) -> subprocess.CompletedProcess:
-    """`python manage.py ARGS` in its own process; the caller's test must commit its rows
-    (transaction=True) for the process to see them."""
+def manage(*args, input: str | None = None) -> subprocess.CompletedProcess:
+    """`python manage.py ARGS` in its own process, `input` on its standard input; the caller's
+    test must commit its rows (transaction=True) for the process to see them."""
     db = connection.settings_dict
     env = {
         **os.environ,
@@ -34,6 +34,7 @@ def manage(*args) -> subprocess.CompletedProcess:
         [sys.executable, "manage.py", *args],
         cwd=ROOT,
         env=env,
+        input=input,
         capture_output=True,
         text=True,
         timeout=60,

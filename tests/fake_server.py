@@ -71,17 +71,20 @@ class FakeServer:
     """Accepts connections on 127.0.0.1 (an ephemeral port), or refuses the handshake with
     `status`; hands each session to the test, with the worker's frames parsed."""
 
-    def __init__(self, status: int | None = None, auto_ack: bool = False):
+    def __init__(self, status: int | None = None, auto_ack: bool = False, tls=None):
         self.status = status
         self.auto_ack = auto_ack
+        self.tls = tls  # an ssl.SSLContext: serve wss://
         self.handshakes = 0
         self.authorizations: list[str | None] = []
         self.sessions: asyncio.Queue[Session] = asyncio.Queue()
 
     async def __aenter__(self):
-        self.server = await serve(self._handler, "127.0.0.1", 0, process_request=self._check)
+        self.server = await serve(
+            self._handler, "127.0.0.1", 0, process_request=self._check, ssl=self.tls
+        )
         port = self.server.sockets[0].getsockname()[1]
-        self.url = f"ws://127.0.0.1:{port}/proto"
+        self.url = f"{'wss' if self.tls else 'ws'}://127.0.0.1:{port}/proto"
         return self
 
     async def __aexit__(self, *exc):

@@ -17,6 +17,13 @@ holds = st.none() | st.builds(
     index=st.integers(min_value=0, max_value=2**31),
     hold_secs=st.integers(min_value=0, max_value=10**6),
 )
+# What a claim reads back of a job's work (gradient.jobs.claim.CLAIMED_WORK); None for none.
+works = st.none() | st.builds(
+    dict,
+    command=st.none() | st.lists(texts.filter(bool), min_size=1, max_size=3),
+    env=st.dictionaries(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}", fullmatch=True), texts),
+    timeout_secs=st.none() | st.integers(min_value=1, max_value=604800),
+)
 
 
 @given(
@@ -28,12 +35,15 @@ holds = st.none() | st.builds(
     features=st.lists(texts, max_size=3),
     steps=st.lists(texts, max_size=3),
     hold=holds,
+    work=works,
 )
 def test_the_rendered_frame_is_the_models_own(
-    kind, job: uuid.UUID, assignment, project, architecture, features, steps, hold
+    kind, job: uuid.UUID, assignment, project, architecture, features, steps, hold, work
 ):
     key = f"{kind}:{job}"
-    rendered = assign_job(key, assignment, kind, job, project, architecture, features, steps, hold)
+    rendered = assign_job(
+        key, assignment, kind, job, project, architecture, features, steps, hold, work
+    )
     model = AssignJob(
         job_id=key,
         assignment_id=str(assignment),
@@ -45,6 +55,7 @@ def test_the_rendered_frame_is_the_models_own(
             architecture=architecture,
             required_features=features,
             steps=steps,
+            **(work or {}),
         ),
         cluster=None if hold is None else ClusterHold(**hold),
     )

@@ -107,22 +107,24 @@ def test_show_cluster_gives_the_history_oldest_first_with_each_seat():
         outcome=AttemptOutcome.FAILED,
     )
 
-    def seat(attempt, key, worker, outcome=None):
-        DispatchedJob.objects.create(
-            kind=key.split(":")[0],
-            job_id=key,
-            worker=worker,
-            project=cluster.project,
-            dispatched_at=attempt.created_at,
-            finished_at=attempt.finished_at,
-            outcome=outcome,
-            cluster_attempt=attempt,
+    def seat(attempt, key, worker, outcome=None) -> str:
+        return str(
+            DispatchedJob.objects.create(
+                kind=key.split(":")[0],
+                job_id=key,
+                worker=worker,
+                project=cluster.project,
+                dispatched_at=attempt.created_at,
+                finished_at=attempt.finished_at,
+                outcome=outcome,
+                cluster_attempt=attempt,
+            ).pk
         )
 
-    seat(oldest, build_key, w2, DispatchedOutcome.FAILED)
-    seat(oldest, eval_key, w1, DispatchedOutcome.ABANDONED)
-    seat(newest, eval_key, w2)
-    seat(newest, build_key, w1, DispatchedOutcome.COMPLETED)
+    failed = seat(oldest, build_key, w2, DispatchedOutcome.FAILED)
+    abandoned = seat(oldest, eval_key, w1, DispatchedOutcome.ABANDONED)
+    running = seat(newest, eval_key, w2)
+    completed = seat(newest, build_key, w1, DispatchedOutcome.COMPLETED)
 
     shown = run("show_cluster", str(cluster.pk))
 
@@ -141,6 +143,7 @@ def test_show_cluster_gives_the_history_oldest_first_with_each_seat():
                     "job_id": eval_key,
                     "worker": "w1",
                     "outcome": "Abandoned",
+                    "assignment_id": abandoned,
                 },
                 {
                     "role": "node",
@@ -148,6 +151,7 @@ def test_show_cluster_gives_the_history_oldest_first_with_each_seat():
                     "job_id": build_key,
                     "worker": "w2",
                     "outcome": "Failed",
+                    "assignment_id": failed,
                 },
             ],
         },
@@ -158,13 +162,21 @@ def test_show_cluster_gives_the_history_oldest_first_with_each_seat():
             "started_at": (t0 + timedelta(minutes=11)).isoformat().replace("+00:00", "Z"),
             "finished_at": None,
             "seats": [
-                {"role": "node", "index": 0, "job_id": eval_key, "worker": "w2", "outcome": None},
+                {
+                    "role": "node",
+                    "index": 0,
+                    "job_id": eval_key,
+                    "worker": "w2",
+                    "outcome": None,
+                    "assignment_id": running,
+                },
                 {
                     "role": "node",
                     "index": 1,
                     "job_id": build_key,
                     "worker": "w1",
                     "outcome": "Completed",
+                    "assignment_id": completed,
                 },
             ],
         },

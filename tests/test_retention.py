@@ -82,6 +82,41 @@ def test_an_old_finished_cluster_goes_with_its_members_and_attempts_keeping_disp
     assert not rows.filter(cluster_attempt__isnull=False).exists()
 
 
+def test_the_output_kept_with_a_clusters_assignments_goes_with_it(days):
+    """Member rows outlive their cluster as telemetry, without the job's output: its error
+    and log tail go with the cluster. Those of young clusters and single jobs stay."""
+    old, young = cluster(ClusterStatus.FAILED, days + 1, 2), cluster(ClusterStatus.FAILED, 1)
+    DispatchedJob.objects.update(error="exit 1", log_tail="the output", blame="transient")
+    single = DispatchedJob.objects.create(
+        kind=JobKind.EVAL,
+        job_id="eval:00000000-0000-0000-0000-000000000001",
+        worker=WorkerFactory(),
+        project_id=old.project_id,
+        dispatched_at=timezone.now(),
+        log_tail="a single job's output",
+    )
+    old_rows = list(DispatchedJob.objects.filter(cluster_attempt__cluster_job=old))
+
+    assert run_retention() == 1
+
+    assert remaining(old, young) == {young.pk}
+    assert (
+        list(
+            DispatchedJob.objects.filter(pk__in=[r.pk for r in old_rows]).values_list(
+                "cluster_attempt", "error", "log_tail", "blame", "outcome"
+            )
+        )
+        == [(None, None, None, "transient", "Completed")] * 2
+    )
+    assert list(
+        DispatchedJob.objects.filter(cluster_attempt__cluster_job=young).values_list(
+            "error", "log_tail"
+        )
+    ) == [("exit 1", "the output")]
+    single.refresh_from_db()
+    assert single.log_tail == "a single job's output"
+
+
 def test_a_young_finished_cluster_stays(days):
     young = cluster(ClusterStatus.COMPLETED, days - 1)
     assert run_retention() == 0

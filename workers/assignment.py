@@ -25,6 +25,7 @@ from gradient.jobs.models import (
     JobKind,
 )
 from gradient.jobs.steps import FETCH_STEPS
+from gradient.jobs.work import NO_WORK
 from gradient.postgresql.pipeline import send
 from gradient.wire.protocol import AssignJob, Rendered
 from workers.head import (
@@ -48,6 +49,7 @@ HEAD_READS = 3  # rivals took every job of the head read: read it again, then gi
 # claim (gradient.jobs.claim, over every candidate's row, the picked one kept), the Assigned
 # transition, the worker's idle slot cleared, and the head's first in line counted as passed
 # over when another job went (skipped while another claim holds it: a count, never a wait).
+# The job claimed comes back with its work (gradient.jobs.claim.CLAIMED_WORK).
 SINGLE_CLAIM_SQL = """
 WITH pick AS (
     SELECT j.id FROM {table} j
@@ -77,7 +79,8 @@ WITH pick AS (
           FOR NO KEY UPDATE SKIP LOCKED) f
     WHERE j.id = f.id AND f.id <> (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)
 )
-SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.reserved
+SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.reserved,
+       (SELECT work FROM claimed)
 FROM room
 """
 PICKED = """t.job_id = '{prefix}' || (SELECT id FROM pick)::text
@@ -139,6 +142,7 @@ class Claimed(NamedTuple):
     steps: list[str]
     no_room: bool  # full or draining
     reserved: bool
+    work: dict | None = None  # what the job claimed runs (CLAIMED_WORK)
 
 
 NOTHING = Claimed(None, None, [], False, False)
@@ -163,7 +167,7 @@ def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJ
                     **claim_params(list(rows.values())),
                 },
             )
-            picked, claimed, no_room, reserved = cursor.fetchone()
+            picked, claimed, no_room, reserved, work = cursor.fetchone()
         if no_room or reserved:
             return NOTHING._replace(no_room=no_room, reserved=reserved)
         if picked is None:
@@ -174,7 +178,7 @@ def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJ
         job = by_id.pop(picked)
         if claimed is not None:
             assignment = rows[claimed]
-            return Claimed(job, assignment.id, assignment.steps, False, False)
+            return Claimed(job, assignment.id, assignment.steps, False, False, work)
     return NOTHING
 
 
@@ -311,11 +315,14 @@ def assign_job(
     features,
     steps: list[str],
     cluster: dict | None = None,
+    work: Mapping | None = None,
 ) -> RenderedAssign:
     """The AssignJob of a claimed job, a single's or (with its hold, a ClusterHold's fields) a
     member's, rendered from the database's own rows by pydantic's serializer without building
-    the models: a large pass frames thousands, and building them took two thirds of that."""
+    the models: a large pass frames thousands, and building them took two thirds of that.
+    `work` is what the job runs as its claim read it (CLAIMED_WORK); None for none."""
     job = str(job_id)
+    work = work or NO_WORK
     body = {
         "type": "AssignJob",
         "job_id": key,
@@ -328,6 +335,9 @@ def assign_job(
             "architecture": architecture,
             "required_features": list(features),
             "steps": steps,
+            "command": work["command"],
+            "env": work["env"],
+            "timeout_secs": work["timeout_secs"],
         },
         "cluster": cluster,
     }
@@ -345,4 +355,5 @@ def assign_frame(claimed: Claimed) -> RenderedAssign:
         job.architecture,
         job.required_features,
         claimed.steps,
+        work=claimed.work,
     )

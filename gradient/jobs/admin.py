@@ -1,6 +1,7 @@
 """Admin for the existing jobs: read-mostly, as statuses move only by guarded transitions."""
 
 from django.contrib import admin
+from django.utils.html import format_html
 
 from gradient.jobs.models import DerivationBuild, DispatchedJob, Evaluation, Project
 
@@ -65,4 +66,12 @@ class DispatchedJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
     # Contains, not exact: a bare UUID finds the row without its eval:/build: prefix.
     search_fields = ["job_id"]
     ordering = ["-dispatched_at"]
-    readonly_fields = ["id"]
+    # The log tail as the output it is (templates/admin/jobs/dispatchedjob/change_form.html).
+    exclude = ["log_tail"]
+    readonly_fields = ["id", "output"]
+
+    @admin.display(description="log tail")
+    def output(self, row):
+        if row.log_tail is None:
+            return "-"
+        return format_html('<div class="log-tail"><pre>{}</pre></div>', row.log_tail)

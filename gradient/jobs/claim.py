@@ -47,6 +47,8 @@ class Assignment:
     missing_nar_size: int | None = None
     id: uuid.UUID = field(default_factory=uuid.uuid4)
     dispatched_at: datetime | None = None
+    # What its job runs, as the claim read it back (CLAIMED_WORK): set once claimed.
+    work: dict | None = None
 
 
 # The claim's rows, an assignment each (claim_rows), aliased t. They go as one JSON document:
@@ -75,9 +77,21 @@ END"""
 ATTEMPT_OPENED = """(t.attempt_id IS NULL OR t.attempt_id IN (
      SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[])))"""
 
+# What a claimed row's job runs (gradient.jobs.work), for its AssignJob: read here, for the
+# jobs claimed alone, so that the reads of the queue never carry it. One JSON object with the
+# AssignJob's own keys, read by its job's primary key, as START_CONDITION probes it.
+CLAIMED_WORK = """CASE WHEN dispatched_job.derivation_build_id IS NOT NULL
+     THEN (SELECT json_build_object('command', b.command, 'env', b.env,
+                                    'timeout_secs', b.timeout_secs)
+           FROM derivation_build b WHERE b.id = dispatched_job.derivation_build_id)
+     ELSE (SELECT json_build_object('command', e.command, 'env', e.env,
+                                    'timeout_secs', e.timeout_secs)
+           FROM evaluation e WHERE e.id = dispatched_job.evaluation_id)
+END"""
+
 # Rows go in job-key order, so overlapping claimers queue on the same key first. A member's
 # row goes in only under its attempt: a cluster claim whose attempt was not opened (it lost
-# that step) inserts none of its members.
+# that step) inserts none of its members. Each row claimed comes back with its job's work.
 CLAIM_TEMPLATE = f"""
 INSERT INTO dispatched_job (
     id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
@@ -91,7 +105,7 @@ WHERE {START_CONDITION}
   /*also*/
 ORDER BY t.job_id
 ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING job_id
+RETURNING job_id, {CLAIMED_WORK} AS work
 """
 CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
 

@@ -6,10 +6,12 @@ This app knows nothing of clusters or of workers' sessions; other apps point at 
 import uuid
 
 from django.contrib.postgres.fields import ArrayField
+from django.core.exceptions import ValidationError
 from django.db import models
-from django.db.models import Q
+from django.db.models import Q, Value
 
 from gradient.jobs.states import StateMachine
+from gradient.jobs.work import MAX_TIMEOUT_SECS, WorkError, check_work
 from gradient.wire.keys import job_key
 
 
@@ -125,9 +127,31 @@ class JobFields(models.Model):
     # Times a younger single job of its kind was given out while this one was first in line:
     # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
     passed_over = models.PositiveSmallIntegerField(default=0, db_default=0, editable=False)
+    # What the job runs (protocol.md, "Running real work"; the rules: gradient.jobs.work).
+    # Read only for the jobs a claim takes (gradient.jobs.claim), never by the head's walks.
+    command = models.JSONField(null=True, blank=True)
+    env = models.JSONField(default=dict, db_default=Value({}, models.JSONField()), blank=True)
+    timeout_secs = models.IntegerField(null=True, blank=True)
 
     class Meta:
         abstract = True
+
+    def clean(self):
+        super().clean()
+        try:
+            check_work(self.command, self.env, self.timeout_secs)
+        except WorkError as e:
+            raise ValidationError({e.field: str(e)}) from None
+
+
+def timeout_range(table: str) -> models.CheckConstraint:
+    """timeout_secs null or 1 to MAX_TIMEOUT_SECS, held by PostgreSQL too (an integer
+    comparison: what every write of the row pays for it is nothing)."""
+    return models.CheckConstraint(
+        condition=Q(timeout_secs__isnull=True)
+        | Q(timeout_secs__gte=1, timeout_secs__lte=MAX_TIMEOUT_SECS),
+        name=f"{table}-timeout_secs",
+    )
 
 
 class Evaluation(JobFields):
@@ -137,6 +161,7 @@ class Evaluation(JobFields):
 
     class Meta:
         db_table = "evaluation"
+        constraints = [timeout_range("evaluation")]
         indexes = [
             # The head of the queue (workers.head): the single evaluations that can start
             # (Queued, or Fetching for the follow-up of a split one) in the single path's
@@ -175,6 +200,7 @@ class DerivationBuild(JobFields):
 
     class Meta:
         db_table = "derivation_build"
+        constraints = [timeout_range("derivation_build")]
         indexes = [
             # The head of the queue, as for evaluations.
             models.Index(
@@ -258,6 +284,10 @@ class DispatchedJob(models.Model):
     failure_kind = models.CharField(max_length=32, null=True, blank=True)
     # A member's seat that ended its attempt, and how (clusters.blame): its worker's health.
     blame = models.CharField(max_length=32, null=True, blank=True)
+    # The JobFailed's error, and the end of the job's output its report carried
+    # (gradient.jobs.work.kept_error, kept_log_tail).
+    error = models.TextField(null=True, blank=True)
+    log_tail = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatched_job"

@@ -1,7 +1,8 @@
 """What an operator submits as one job, shared by submit_job and the cluster members of
 submit_cluster (clusters.submission)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import connection
 
@@ -13,6 +14,7 @@ from gradient.jobs.models import (
     JobKind,
     Project,
 )
+from gradient.jobs.work import WorkError, check_work
 
 ARCH_LIMIT = Evaluation._meta.get_field("architecture").max_length
 FEATURE_LIMIT = Evaluation._meta.get_field("required_features").base_field.max_length
@@ -25,24 +27,54 @@ def column_range(model, field: str) -> tuple[int, int]:
 
 
 class SubmissionError(ValueError):
-    """A submission refused before anything is written; the message is one line."""
+    """A submission refused before anything is written; the message is one line. `field`
+    names what broke the rule as a document names it (`kind`, `members[1].command`), where
+    the refusal is about one field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def within(self, outer: str) -> "SubmissionError":
+        """The same refusal, its field a part of `outer` (`members[1]`)."""
+        return SubmissionError(str(self), f"{outer}.{self.field}" if self.field else outer)
+
+    def line(self) -> str:
+        """`field: message`, as a document's refusal is told."""
+        return f"{self.field}: {self}" if self.field else str(self)
 
 
 @dataclass(frozen=True)
 class JobSpec:
+    """One job as submitted; the fields' names in errors are the cluster document's."""
+
     kind: str
     architecture: str | None = None  # None: the model's default
     required_features: tuple[str, ...] = ()
     paths: tuple[str, ...] = ()
     prioritized: bool = False
+    # The work (gradient.jobs.work): argv or None, extra environment, seconds or None.
+    command: Any = None
+    env: Any = field(default_factory=dict)
+    timeout_secs: Any = None
 
     def __post_init__(self):
         if self.kind not in JobKind.values:
-            raise SubmissionError(f"unknown kind {self.kind!r} (expected eval or build)")
+            raise SubmissionError(f"unknown kind {self.kind!r} (expected eval or build)", "kind")
         if self.architecture is not None and not 0 < len(self.architecture) <= ARCH_LIMIT:
-            raise SubmissionError(f"architecture must be 1 to {ARCH_LIMIT} characters")
+            raise SubmissionError(f"architecture must be 1 to {ARCH_LIMIT} characters", "arch")
         if any(len(f) > FEATURE_LIMIT for f in self.required_features):
-            raise SubmissionError(f"a feature is longer than {FEATURE_LIMIT} characters")
+            raise SubmissionError(
+                f"a feature is longer than {FEATURE_LIMIT} characters", "features"
+            )
+        # No worker offers an empty feature, and no store path is empty.
+        for items, name in ((self.required_features, "features"), (self.paths, "paths")):
+            if "" in items:
+                raise SubmissionError(f"item {items.index('')} is empty", name)
+        try:
+            check_work(self.command, self.env, self.timeout_secs)
+        except WorkError as e:
+            raise SubmissionError(str(e), e.field) from None
 
 
 def split_plus(value: str, what: str) -> tuple[str, ...]:
@@ -62,6 +94,9 @@ def new_job(project: Project, spec: JobSpec) -> Evaluation | DerivationBuild:
         "required_features": list(spec.required_features),
         "paths": list(spec.paths),
         "prioritized": spec.prioritized,
+        "command": spec.command,
+        "env": spec.env,
+        "timeout_secs": spec.timeout_secs,
     }
     if spec.architecture is not None:
         fields["architecture"] = spec.architecture

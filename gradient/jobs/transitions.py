@@ -48,16 +48,29 @@ def advance_builds(pks, to: str, expect=None) -> int:
 
 
 FINISH_SQL = DISPATCHED_MACHINE.update(
-    "finish", "id = ANY(%(ids)s)", also=", failure_kind = %(failure_kind)s"
+    "finish",
+    "id = ANY(%(ids)s)",
+    also=", failure_kind = %(failure_kind)s, error = %(error)s, log_tail = %(log_tail)s",
 )
 
 
-def finish_assignments(pks, outcome: str, now: datetime | None = None, failure_kind=None) -> int:
-    """End every listed open assignment with its outcome (and a JobFailed's kind); how many
-    were open."""
+def finish_assignments(
+    pks,
+    outcome: str,
+    now: datetime | None = None,
+    failure_kind=None,
+    *,
+    error: str | None = None,
+    log_tail: str | None = None,
+) -> int:
+    """End every listed open assignment with its outcome (and what a report says: a
+    JobFailed's kind and error, the output's log tail, as gradient.jobs.work keeps them); how
+    many were open."""
     params = {
         "ids": list(pks),
         "failure_kind": failure_kind,
+        "error": error,
+        "log_tail": log_tail,
         **DISPATCHED_MACHINE.bind("finish", outcome, at=now or timezone.now()),
     }
     if not params["ids"]:

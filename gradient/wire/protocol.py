@@ -86,6 +86,11 @@ class Rendered:
 # Worker -> server
 
 
+class RunningJob(Message):
+    job_id: JobKey
+    assignment_id: Uuid
+
+
 class WorkerCapabilities(Message):
     architectures: list[Label]
     system_features: list[Label]
@@ -96,6 +101,9 @@ class WorkerCapabilities(Message):
     fetch: StrictBool
     zone: Zone | None = None
     endpoint: Endpoint | None = None
+    # What the worker still runs, or holds a report of, from an earlier session (a server
+    # restart, a lost connection): those assignments stay open instead of being given up.
+    running: Annotated[list[RunningJob], Field(max_length=10_000)] = []
 
 
 class RequestJob(Message):

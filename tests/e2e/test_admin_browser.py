@@ -65,7 +65,7 @@ def server(processes, settings_module) -> str:
     return url.replace("ws://", "http://").removesuffix("/proto")
 
 
-def seat(made, member, worker, outcome):
+def seat(made, member, worker, outcome, **report):
     DispatchedJob.objects.create(
         kind=member.kind,
         job_id=member.job_key,
@@ -75,7 +75,14 @@ def seat(made, member, worker, outcome):
         finished_at=made.finished_at,
         outcome=outcome,
         cluster_attempt=made,
+        **report,
     )
+
+
+# A failed client's output: long enough to scroll, and with markup that must stay text.
+CLIENT_LOG = "".join(f"test {i} ... ok\n" for i in range(400)) + (
+    "<script>window.injected = true</script>\nFAILED: connection refused\n"
+)
 
 
 def finished_cluster() -> tuple[ClusterJob, ClusterAttempt, ClusterAttempt]:
@@ -101,7 +108,15 @@ def finished_cluster() -> tuple[ClusterJob, ClusterAttempt, ClusterAttempt]:
     gpu1, gpu2 = WorkerFactory(name="gpu-1", zone="eu-1"), WorkerFactory(name="gpu-2", zone="eu-1")
     cpu1, cpu2 = WorkerFactory(name="cpu-1", zone="eu-2"), WorkerFactory(name="cpu-2", zone="eu-2")
     seat(failed, server, gpu1, DispatchedOutcome.ABANDONED)
-    seat(failed, client, gpu2, DispatchedOutcome.FAILED)
+    seat(
+        failed,
+        client,
+        gpu2,
+        DispatchedOutcome.FAILED,
+        failure_kind="permanent",
+        error="exit status 1",
+        log_tail=CLIENT_LOG,
+    )
     seat(done, server, cpu1, DispatchedOutcome.COMPLETED)
     seat(done, client, cpu2, DispatchedOutcome.COMPLETED)
     return cluster, failed, done
@@ -161,6 +176,23 @@ def test_an_operator_reads_a_cluster_page_and_aborts_a_waiting_cluster(server, d
             expect(done_row.locator('li.seat[data-seat="server/0"]')).to_contain_text(
                 "server/0 on cpu-1 · zone eu-2 · Completed"
             )
+            # How the failed seat ended, and its output in a box that scrolls, as text.
+            ending = failed_row.locator('.seat-ending[data-seat="client/0"]')
+            expect(ending).to_contain_text("client/0 Failed (permanent): exit status 1")
+            log = ending.locator(".log-tail")
+            expect(log).to_contain_text("<script>window.injected = true</script>")
+            assert page.evaluate("window.injected") is None
+            # It opens on its end: the last lines in the box, the first scrolled out above.
+            seen = log.evaluate(
+                """el => {
+                    const box = el.getBoundingClientRect();
+                    const text = el.firstElementChild.getBoundingClientRect();
+                    return [el.scrollHeight > 2 * el.clientHeight, box.height,
+                            Math.abs(text.bottom - box.bottom) < 2, text.top < box.top,
+                            getComputedStyle(el).overflowY];
+                }"""
+            )
+            assert seen[0] and seen[1] <= 400 and seen[2] and seen[3] and seen[4] == "auto", seen
             expect(page.locator("#cluster-members tr.member")).to_have_count(2)
             expect(page.locator("#cluster-explain")).to_have_count(0)  # it does not wait
             page.screenshot(path=str(ARTIFACTS / "cluster-page.png"), full_page=True)

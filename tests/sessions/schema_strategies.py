@@ -110,7 +110,7 @@ def kinds(annotation) -> frozenset | None:
         return frozenset({"string"})
     if get_origin(t) is list:
         return frozenset({"array"})
-    if is_model(t):
+    if is_model(t) or get_origin(t) is dict:
         return frozenset({"object"})
     known = {bool: "bool", int: "int", str: "string"}
     if t in known:
@@ -137,6 +137,9 @@ def valid(annotation, metadata=()) -> st.SearchStrategy:
         return st.sampled_from(get_args(t))
     if get_origin(t) is list:
         return st.lists(valid(get_args(t)[0]), max_size=3)
+    if get_origin(t) is dict:
+        names, values = get_args(t)
+        return st.dictionaries(valid(names), valid(values), max_size=3)
     if t is bool:
         return st.booleans()
     if t is int:

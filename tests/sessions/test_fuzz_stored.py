@@ -40,7 +40,7 @@ def extreme_frames(draw):
 
 def sent(message):
     if isinstance(message, WorkerCapabilities):
-        return message.model_dump()
+        return message.model_dump(exclude={"running"})  # the session's, not the worker row's
     return {s.job_id: (s.missing_count, s.missing_nar_size) for s in message.scores}
 
 
@@ -92,6 +92,8 @@ async def test_frames_the_parser_accepts_never_crash_the_session(worker_session,
             if frame["type"] == "WorkerCapabilities":
                 assert (await session.recv_type("InitAck"))["worker"] == worker.name
                 assert await q(lambda m=message: stored(worker.pk, m)) == sent(message)
+                for job in message.running:  # none of them is this worker's: abort each
+                    assert (await session.recv_type("AbortJob"))["job_id"] == job.job_id
                 continue
             # JobScores has no answer, and waits in the session's queue for offers and
             # requests: stored as sent once handled, nothing cut short on the way in.

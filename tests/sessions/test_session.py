@@ -3,6 +3,7 @@ bad-input case, with the database checked unchanged after each refusal. Here: au
 and bad input; the messages about work to take and the reports on work held have files of
 their own (test_session_requests.py, test_session_reports.py)."""
 
+import asyncio
 import json
 
 import pytest
@@ -39,13 +40,59 @@ async def test_a_second_connection_with_one_token_replaces_the_first(worker_sess
     assert (await second.connect())[0]
     closed = await first.ws.receive_output(3)
     assert closed == {"type": "websocket.close", "code": 4409}
-    # The first session's assignment went with it, back to the queue.
+    # The worker does not say it still runs the first session's assignment: back to the queue.
+    await second.hello()
     row = await q(lambda: DispatchedJob.objects.get(pk=assigned["assignment_id"]))
     assert row.outcome == "Abandoned"
     assert await q(lambda: DerivationBuild.objects.get().status) == BuildStatus.QUEUED
-    await second.hello()
     await second.send({"type": "RequestJob", "kind": "build"})
     assert (await second.recv_type("AssignJob"))["job_id"] == assigned["job_id"]
+    await second.close()
+
+
+async def test_a_worker_back_after_a_lost_session_keeps_what_it_still_runs(worker_session):
+    _, first = await worker_session()
+    await q(lambda: BuildFactory.create_batch(2))
+    await first.connect()
+    await first.hello(max_concurrent_builds=2)
+    assigned = []
+    for _ in range(2):
+        await first.send({"type": "RequestJob", "kind": "build"})
+        assigned.append(await first.recv_type("AssignJob"))
+    kept, dropped = assigned
+    # A server restart: the session is never closed on the server's side.
+    second = Session(first.token)
+    assert (await second.connect())[0]
+    running = [{"job_id": kept["job_id"], "assignment_id": kept["assignment_id"]}]
+    await second.hello(max_concurrent_builds=2, running=running)
+    rows = await q(lambda: {str(r.pk): r for r in DispatchedJob.objects.all()})
+    assert rows[kept["assignment_id"]].finished_at is None
+    assert rows[dropped["assignment_id"]].outcome == "Abandoned"
+    report = {"type": "JobCompleted", "elapsed_ms": 5, "log_tail": "done"}
+    await second.send({**report, **running[0]})
+    for _ in range(100):
+        row = await q(lambda: DispatchedJob.objects.get(pk=kept["assignment_id"]))
+        if row.finished_at is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert (row.outcome, row.log_tail) == ("Completed", "done")
+    await second.close()
+
+
+async def test_a_worker_back_with_a_job_the_server_gave_up_is_told_to_abort_it(worker_session):
+    _, first = await worker_session()
+    await q(lambda: BuildFactory())
+    await first.connect()
+    await first.hello()
+    await first.send({"type": "RequestJob", "kind": "build"})
+    assigned = await first.recv_type("AssignJob")
+    await first.close()  # the server saw it go: the assignment is given up at once
+    second = Session(first.token)
+    assert (await second.connect())[0]
+    ids = {"job_id": assigned["job_id"], "assignment_id": assigned["assignment_id"]}
+    await second.hello(running=[ids])
+    abort = await second.recv_type("AbortJob")
+    assert abort["job_id"] == assigned["job_id"]
     await second.close()
 
 

@@ -1,6 +1,8 @@
 """The /proto session's reports on work held: completed, failed (requeued or ended),
 rejected, abandoned by a disconnect, and the reports and signals it is not allowed."""
 
+import asyncio
+
 import pytest
 
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
@@ -151,3 +153,36 @@ async def test_a_signal_outside_a_started_attempt_is_not_allowed(worker_session)
     )
     assert (await session.recv_type("Error"))["code"] == "not_allowed"
     await session.close()
+
+
+async def test_a_reports_error_and_log_tail_are_kept_with_its_assignment(worker_session):
+    _, session = await worker_session()
+    await q(lambda: BuildFactory())
+    job = await assigned_build(session)
+    await session.send(
+        {
+            "type": "JobFailed",
+            "job_id": job["job_id"],
+            "assignment_id": job["assignment_id"],
+            "error": "exit status 3",
+            "kind": "permanent",
+            "log_tail": "compiling\nerror: no space left\n",
+        }
+    )
+    row = await until_finished(job["assignment_id"])
+    assert (row.failure_kind, row.error, row.log_tail) == (
+        "permanent",
+        "exit status 3",
+        "compiling\nerror: no space left\n",
+    )
+    await session.close()
+
+
+async def until_finished(assignment_id, timeout=5.0) -> DispatchedJob:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        row = await q(lambda: DispatchedJob.objects.get(pk=assignment_id))
+        if row.finished_at is not None:
+            return row
+        assert asyncio.get_running_loop().time() < deadline, "the report was never recorded"
+        await asyncio.sleep(0.02)

@@ -3,13 +3,13 @@ WebSocket connections, many of them on one asyncio loop.
 
 Imports nothing of Django: tests and the e2e harness run it in-process, next to a live server
 or a fake one. Every frame is built and parsed with gradient.wire.protocol. By concept: config
-(what a worker can do), store (what it has and would fetch), worker (its connection), jobs
-(what it holds and runs), fleet (many at once).
+(what a worker can do), store (what it has and would fetch), worker (the protocol client of
+workers.client, whose run is a timer), fleet (many at once).
 """
 
+from workers.client import HOLD_TIMED_OUT, Job
 from workers.simulator.config import Scorer, WorkerConfig
 from workers.simulator.fleet import COUNTERS, Fleet
-from workers.simulator.jobs import HOLD_TIMED_OUT, Job
 from workers.simulator.store import SIZE_UNIT, has_path, missing_cost, path_nar_size, stable_hash
 from workers.simulator.worker import (
     DEFAULT_URL,

@@ -1,65 +1,38 @@
-"""The reference worker's connection: one SimulatedWorker speaking protocol v1 (shared
-protocol.md) over a real WebSocket, reconnecting with backoff; its jobs are workers.simulator.jobs'.
-"""
+"""The reference worker: the protocol client (workers.client) whose run is a timer that may
+fail at a chosen rate and whose store is a stable hash (workers.simulator.store)."""
 
 import asyncio
 import contextlib
-import json
-import random
-from collections import deque
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import Any
-
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from gradient.wire import protocol as p
+from workers.client import (
+    DEFAULT_URL,
+    REPLACED_CLOSE_CODE,
+    EventLog,
+    Job,
+    Outcome,
+    Worker,
+    rotated,
+    server_urls,
+)
 from workers.simulator.config import WorkerConfig
-from workers.simulator.jobs import Job, Jobs
 from workers.simulator.store import missing_cost
 
-DEFAULT_URL = "ws://127.0.0.1:8000/proto"
-REPLACED_CLOSE_CODE = 4409
+__all__ = [
+    "DEFAULT_URL",
+    "REPLACED_CLOSE_CODE",
+    "EventLog",
+    "SimulatedWorker",
+    "rotated",
+    "server_urls",
+]
 
 
-def rotated(urls: list[str], start: int) -> list[str]:
-    start %= len(urls)
-    return urls[start:] + urls[:start]
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-class EventLog:
-    """One JSON object per line, shared by every worker of a fleet. Line-buffered and appended,
-    so a killed run leaves whole lines and several processes can share one file."""
-
-    def __init__(self, path: str):
-        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-
-    def write(self, event: dict) -> None:
-        self._file.write(json.dumps(event, default=str) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def server_urls(url: str | Sequence[str]) -> list[str]:
-    """One URL, or several: the servers to try in turn."""
-    urls = [url] if isinstance(url, str) else list(url)
-    if not urls:
-        raise ValueError("at least one server URL is needed")
-    return urls
-
-
-class SimulatedWorker(Jobs):
-    """One worker: a connection loop that reconnects with backoff, and the jobs it holds or runs.
-    Running jobs survive a reconnect (their reports wait in an outbox); held members do not.
-
-    `url` may be a list of servers: the worker connects to the first, and every reconnect (a
-    failed handshake or a dropped session) tries the next one, round robin."""
+class SimulatedWorker(Worker):
+    """One simulated worker: a connection loop that reconnects with backoff, and the jobs it
+    holds or runs, each a timer. Its faults (refusals, silence, lost members) are the
+    config's."""
 
     def __init__(
         self,
@@ -69,52 +42,7 @@ class SimulatedWorker(Jobs):
         url: str | Sequence[str] = DEFAULT_URL,
         log: EventLog | None = None,
     ):
-        self.name = name
-        self.token = token
-        self.config = config or WorkerConfig()
-        self.urls = server_urls(url)
-        self._url_index = 0
-        self.log = log
-        kept = self.config.max_events
-        self.events: deque[dict] = deque(maxlen=kept)
-        self.errors: deque[dict] = deque(maxlen=kept)  # Error frames: {code, message}
-        self.signals: deque[dict] = deque(maxlen=kept)  # received: {attempt, from, payload}
-        self.jobs: dict[str, Job] = {}
-        self.completed = self.failed = self.rejected = 0
-        self.connections = 0  # sessions that got an InitAck
-        self.connected = False  # InitAck received on the live connection
-        self.forbidden = 0  # 403s at the handshake since the last session
-        self.draining = False
-        self.stopped_reason: str | None = None  # forbidden, replaced, stopped
-        seed = self.config.seed
-        self._rng = random.Random(f"{seed}:{name}") if seed is not None else random.Random()
-        self._ws: ClientConnection | None = None
-        self._outbox: list[p.Message] = []  # reports made while disconnected
-        self._heartbeat: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    # Public API
-
-    @property
-    def url(self) -> str:
-        """The server the worker is connected to, or will try next."""
-        return self.urls[self._url_index]
-
-    def capabilities(self) -> p.WorkerCapabilities:
-        c = self.config
-        return p.WorkerCapabilities(
-            architectures=list(c.architectures),
-            system_features=list(c.system_features),
-            max_concurrent_builds=c.max_builds,
-            max_concurrent_evals=c.max_evals,
-            eval=c.eval,
-            build=c.build,
-            fetch=c.fetch,
-            zone=c.zone,
-            endpoint=c.endpoint,
-        )
+        super().__init__(name, token, config or WorkerConfig(), url, log)
 
     def score(self, job: p.OfferedJob) -> p.Score:
         if self.config.score is not None:
@@ -123,241 +51,41 @@ class SimulatedWorker(Jobs):
             count, size = missing_cost(self.name, job.paths, self.config.have_fraction)
         return p.Score(job_id=job.job_id, missing_count=count, missing_nar_size=size)
 
-    async def run(self) -> None:
-        """Connects and serves until stop(), a 4409 close or repeated 403s at the handshake."""
-        self._task = asyncio.current_task()
-        first, cap = self.config.backoff
-        delay = first
-        try:
-            while not self._stop.is_set():
-                if await self._connect_once():
-                    delay = first
-                if self._stop.is_set():
-                    break
-                self._url_index = (self._url_index + 1) % len(self.urls)  # try the next server
-                # Jittered, so a fleet does not come back from a server restart in lockstep.
-                if self.forbidden:
-                    wait = self.config.forbidden_backoff * 2 ** (self.forbidden - 1)
-                    await self._sleep(wait * self._rng.uniform(0.75, 1.25))
-                    continue
-                await self._sleep(min(cap, delay * self._rng.uniform(0.5, 1.5)))
-                delay = min(delay * 2, cap)
-        except asyncio.CancelledError:
-            if not self._stop.is_set():
-                raise
-        except Exception as exc:
-            self.stopped_reason = f"crashed: {exc!r}"  # shows in the fleet's summary
-            raise
-        finally:
-            self._drop_all()
-            self.stopped_reason = self.stopped_reason or "stopped"
-            self._record("stopped", reason=self.stopped_reason)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        ws = self._ws
-        if ws is not None:
-            await ws.close()
-        elif self._task is not None and self._task is not asyncio.current_task():
-            self._task.cancel()  # connecting or backing off: nothing to close cleanly
-
-    async def drain(self) -> None:
-        """Takes no new job from now on: tells the server, stops requesting, refuses new
-        assignments and gives up its held members (JobFailed aborted). Running jobs finish."""
-        self.draining = True
-        self._record("draining")
-        if self.connected:
-            await self._send(p.Draining())
-        for job in self.held:
-            self._release(job, "draining")
-            await self._fail(job, "aborted", "worker draining")
-
-    async def send_signal(
-        self, attempt: str, payload: Any, to: tuple[str, int] | None = None
-    ) -> bool:
-        """Sends a ClusterSignal to one member (role, index) or, without `to`, to all others.
-        False if there was no connection to send it on."""
-        target = None if to is None else p.MemberRef(role=to[0], index=to[1])
-        sent = await self._send(p.ClusterSignal(attempt=attempt, to=target, payload=payload))
-        if sent:
-            where = None if target is None else target.model_dump()
-            self._record("signal_sent", attempt=attempt, to=where, payload=payload)
-        return sent
-
-    async def wait_event(self, event: str, timeout: float = 5.0, **fields) -> dict:
-        """The first recorded event of that name whose fields match (for tests)."""
-        wanted = {"event": event, **fields}
-        async with asyncio.timeout(timeout):
-            while True:
-                for entry in self.events:
-                    if all(entry.get(k) == v for k, v in wanted.items()):
-                        return entry
-                await asyncio.sleep(0.01)
-
-    # Connection
-
-    async def _connect_once(self) -> bool:
-        """One connection, until it closes. True if it got as far as an InitAck."""
-        url = self.url
-        try:
-            async with connect(
-                url,
-                additional_headers={"Authorization": f"Bearer {self.token}"},
-                open_timeout=self.config.open_timeout,
-                max_size=p.MAX_FRAME_BYTES,
-                compression=None,  # a zlib context per connection is too heavy for a fleet
-                proxy=None,
-            ) as ws:
-                self._ws = ws
-                self._record("connected", url=url)
-                sessions = self.connections
-                try:
-                    await self._serve(ws)
-                finally:
-                    self._ws = None
-                    self._disconnected(ws)
-                return self.connections > sessions
-        except InvalidStatus as exc:
-            status = exc.response.status_code
-            self._record("connect_failed", url=url, error=f"HTTP {status}")
-            if status == 403:
-                self.forbidden += 1
-                if self.forbidden > self.config.forbidden_retries:
-                    self._finish("forbidden")
-        except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
-            self._record("connect_failed", url=url, error=str(exc) or type(exc).__name__)
-        return False
-
-    async def _serve(self, ws: ClientConnection) -> None:
-        try:
-            await ws.send(self.capabilities().frame())
-            async for text in ws:
-                await self._handle(text)
-        except ConnectionClosed:
-            pass
-
-    def _disconnected(self, ws: ClientConnection) -> None:
-        self.connected = False
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
-        for job in self.held:
-            self._release(job, "disconnected")
-        code = ws.close_code
-        self._record("disconnected", code=code, reason=ws.close_reason or None)
-        if code == REPLACED_CLOSE_CODE:
-            self._finish("replaced")
-
-    def _finish(self, reason: str) -> None:
-        self.stopped_reason = reason
-        self._stop.set()
-
-    def _drop_connection(self) -> None:
-        """Close the live connection from within a frame's handler; the loop reconnects."""
-        if self._ws is not None:
-            self._spawn(self._ws.close())
-
-    async def _sleep(self, secs: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), secs)
-
-    async def _send(self, message: p.Message) -> bool:
-        ws = self._ws
-        if ws is None:
-            return False
-        try:
-            await ws.send(message.frame())
-        except ConnectionClosed:
-            return False  # the reader sees the close and ends the session
-        return True
-
-    async def _report(self, message: p.Message) -> None:
-        """A job's final report; kept for the next session if it cannot go now."""
-        if not (self.connected and await self._send(message)):
-            self._outbox.append(message)
-
-    # Server frames
-
-    async def _handle(self, text: str | bytes) -> None:
-        try:
-            message = p.parse_outbound(text)
-        except p.ProtocolError as exc:
-            self._record("error", code="unparsable", message=str(exc))
-            return
-        try:
-            await getattr(self, self._HANDLERS[type(message)])(message)
-        except ValueError as exc:  # a field the answer must echo fails the protocol's checks
-            self._record("error", code="cannot_answer", message=str(exc))
-
-    _HANDLERS = {
-        p.InitAck: "_on_init_ack",
-        p.JobOffer: "_on_offer",
-        p.AssignJob: "_on_assign",
-        p.StartCluster: "_on_start",
-        p.AbortCluster: "_on_abort_cluster",
-        p.AbortJob: "_on_abort_job",
-        p.ForwardedSignal: "_on_signal",
-        p.Error: "_on_error",
-    }
-
-    async def _on_init_ack(self, ack: p.InitAck) -> None:
-        self._record("init_ack", protocol=ack.protocol, heartbeat_secs=ack.heartbeat_secs)
-        while self._outbox:  # reports from before the drop go first
-            if not await self._send(self._outbox[0]):
-                return
-            self._outbox.pop(0)
-        self.connected = True
-        self.connections += 1
-        self.forbidden = 0
-        if self.draining:
-            await self._send(p.Draining())
-        await self._request_free_slots()
-        if self._heartbeat is None:
-            period = self.config.heartbeat_secs or ack.heartbeat_secs
-            self._heartbeat = self._spawn(self._heartbeat_loop(period))
-
-    async def _heartbeat_loop(self, period: float) -> None:
-        while True:
-            await asyncio.sleep(period)
-            await self._request_free_slots()
-
-    async def _request_free_slots(self) -> None:
-        for kind in ("eval", "build"):
-            for _ in range(self.free_slots(kind)):
-                await self._request(kind)
-
-    async def _request(self, kind: str) -> None:
-        if self.connected and not self.draining:
-            await self._send(p.RequestJob(kind=kind))
-
-    async def _on_offer(self, offer: p.JobOffer) -> None:
-        # Answered here, before the reader takes the next frame, so always before the next
-        # RequestJob this worker sends.
+    async def _scores(self, jobs: list[p.OfferedJob]) -> list[p.Score]:
         if self.config.score_secs:
             await asyncio.sleep(self.config.score_secs)
-        await self._send(p.JobScores(scores=[self.score(job) for job in offer.jobs]))
+        return [self.score(job) for job in jobs]
 
-    async def _on_signal(self, signal: p.ForwardedSignal) -> None:
-        entry = {
-            "attempt": signal.attempt,
-            "from": signal.from_.model_dump(),
-            "payload": signal.payload,
-        }
-        self.signals.append(entry)
-        self._record("signal_received", **entry)
+    async def _execute(self, job: Job) -> Outcome:
+        self._started(job)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._rng.uniform(*self.config.job_secs)):
+                await job.aborted.wait()
+        elapsed_ms = self._elapsed_ms(job)
+        if job.abort_error is not None:
+            return Outcome(False, "aborted", job.abort_error, elapsed_ms)
+        if self._rng.random() < self.config.fail_rate:
+            return Outcome(False, "transient", "simulated failure", elapsed_ms)
+        return Outcome(True, elapsed_ms=elapsed_ms)
 
-    async def _on_error(self, error: p.Error) -> None:
-        self.errors.append({"code": error.code, "message": error.message})
-        self._record("error", code=error.code, message=error.message)
+    def _refusal(self, assign: p.AssignJob) -> str | None:
+        reason = super()._refusal(assign)
+        if reason is None and assign.cluster and self._rng.random() < self.config.reject_rate:
+            return "simulated reject"
+        return reason
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+    def _answers(self, job: Job) -> bool:
+        return self.config.answers_members
 
-    def _record(self, event: str, **fields) -> None:
-        entry = {"time": _now(), "worker": self.name, "event": event, **fields}
-        self.events.append(entry)
-        if self.log is not None:
-            self.log.write(entry)
+    async def _on_start(self, start: p.StartCluster) -> None:
+        members = [job for job in self.held if job.attempt == start.attempt]
+        if members and self.config.loses_members:
+            # A flaky machine: the connection drops with its members held, as a crash would.
+            self._record("losing_members", attempt=start.attempt)
+            self._drop_connection()
+            return
+        await super()._on_start(start)
+        if members and self.config.signal_on_start:
+            job = members[0]
+            payload = {"worker": self.name, "role": job.role, "index": job.index}
+            await self.send_signal(start.attempt, payload)

@@ -1,3 +1,5 @@
+import json
+
 from django.core.management.base import CommandError
 from django.db import transaction
 
@@ -7,6 +9,29 @@ from gradient.jobs.submission import JobSpec, SubmissionError, create_jobs, spli
 
 # One transaction holds every job of a submission; a larger batch is a script's loop.
 MAX_COUNT = 10_000
+
+
+def parse_command(value: str | None):
+    """--command's JSON; what it must hold is JobSpec's to check."""
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise SubmissionError(f"not JSON ({e})", "command") from None
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """The --env NAME=VALUE options as one object."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SubmissionError(f"{pair!r} is not NAME=VALUE", "env")
+        if name in env:
+            raise SubmissionError(f"{name} given more than once", "env")
+        env[name] = value
+    return env
 
 
 class Command(JsonCommand):
@@ -22,8 +47,35 @@ class Command(JsonCommand):
         parser.add_argument(
             "--count", action=Once, type=int, default=1, metavar="N", help=f"1 to {MAX_COUNT}"
         )
+        parser.add_argument(
+            "--command", action=Once, metavar="JSON", help='what to run, as ["argv0", "arg", ...]'
+        )
+        parser.add_argument(
+            "--env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="an extra environment variable of the command (repeatable)",
+        )
+        parser.add_argument(
+            "--timeout-secs", action=Once, type=int, metavar="N", help="the command's time limit"
+        )
 
-    def run(self, *, project, kind, arch, features, paths, prioritized, count, **options):
+    def run(
+        self,
+        *,
+        project,
+        kind,
+        arch,
+        features,
+        paths,
+        prioritized,
+        count,
+        command,
+        env,
+        timeout_secs,
+        **options,
+    ):
         if not 1 <= count <= MAX_COUNT:
             raise CommandError(f"--count must be 1 to {MAX_COUNT}, not {count}")
         try:
@@ -33,9 +85,14 @@ class Command(JsonCommand):
                 required_features=split_plus(features, "--features"),
                 paths=split_plus(paths, "--paths"),
                 prioritized=prioritized,
+                command=parse_command(command),
+                env=parse_env(env),
+                timeout_secs=timeout_secs,
             )
         except SubmissionError as e:
-            raise CommandError(str(e)) from None
+            # Named as the option that carried it: --arch, --command, --timeout-secs.
+            field = e.field and "--" + e.field.replace("_", "-")
+            raise CommandError(f"{field}: {e}" if field else str(e)) from None
         with transaction.atomic(durable=True):
             found = Project.objects.filter(name=project).first()
             if found is None:
