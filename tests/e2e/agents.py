@@ -1,85 +1,42 @@
-"""Real `gradient-worker` agents for end-to-end tests: each one a process of its own, with its
-JSON log lines in a file, a worker row of the test database and a work directory."""
+"""Real `gradient-worker` agents for end-to-end tests (tests.agent_harness), each with a worker
+row of the test database, a work directory and an endpoint."""
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from clusters.models import ClusterJob, ClusterStatus
 from gradient.jobs.models import DispatchedJob
-from tests.e2e.conftest import ROOT, VENV_BIN, free_port
+from tests.agent_harness import AgentProcess, agent_env
+from tests.e2e.conftest import VENV_BIN, free_port
 from tests.e2e.fleet import q, until
 from tests.factories import WorkerFactory
 from workers.models import Worker, hash_token
 
-AGENT = str(VENV_BIN / "gradient-worker")
-# The keys a worker process must not inherit from the test run: the agent needs none of them.
-SERVER_ONLY = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
 
-
-class Agent:
-    """One gradient-worker process for the worker NAME, logging JSON lines to its own file."""
+class Agent(AgentProcess):
+    """The agent of the worker NAME (token t-NAME), with a work directory and an endpoint of its
+    own, `gradient-worker signal` on its members' PATH, and a one-second kill grace."""
 
     def __init__(self, name: str, url: str, tmp: Path, *args: str, zone: str | None = None):
-        self.name, self.url = name, url
-        self.workdir = tmp / f"agent-{name}"
-        self.log_path = tmp / f"agent-{name}.log"
+        self.name = name
         self.endpoint = f"127.0.0.1:{free_port()}"
-        self.args = [
-            *("--url", url, "--workdir", str(self.workdir), "--endpoint", self.endpoint),
-            *("--kill-grace", "1", "--log-format", "json"),
-            *(("--zone", zone) if zone else ()),
-            *args,
-        ]
-        self.proc: subprocess.Popen | None = None
+        options = ["--url", url, "--workdir", str(tmp / f"agent-{name}")]
+        options += ["--endpoint", self.endpoint, "--kill-grace", "1"]
+        options += ["--zone", zone] if zone else []
+        path = f"{VENV_BIN}:{os.environ.get('PATH', '')}"
+        super().__init__(*options, *args, env=agent_env(token=f"t-{name}", PATH=path))
 
-    def start(self) -> "Agent":
-        env = {k: v for k, v in os.environ.items() if k not in SERVER_ONLY}
-        env["GRADIENT_WORKER_TOKEN"] = f"t-{self.name}"
-        # The members call `gradient-worker signal ...` as an operator's PATH would find it.
-        env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
-        log = open(self.log_path, "a")  # noqa: SIM115 - closed when the process is
-        self.proc = subprocess.Popen(
-            [AGENT, *self.args],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-        log.close()
-        return self
-
-    def events(self) -> list[dict]:
-        if not self.log_path.exists():
-            return []
-        lines = self.log_path.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
-
-    async def wait_exit(self, timeout: float = 20.0) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"agent {self.name} still running after {timeout}s")
-            await asyncio.sleep(0.05)
-        return self.proc.returncode
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # abort what runs, report it, exit
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    async def stop(self) -> None:
+        """As an operator would: SIGINT ends what runs and reports it; then nothing is left."""
+        if self.proc.returncode is None:
+            self.signal(signal.SIGINT)
+            with contextlib.suppress(TimeoutError):
+                await self.exit_status(timeout=15)
+        await self.__aexit__(None, None, None)
 
 
 async def make_workers(*names: str, projects=None) -> None:
@@ -98,16 +55,16 @@ async def make_workers(*names: str, projects=None) -> None:
 async def agents(url: str, tmp: Path, specs: dict[str, dict]):
     """Runs one agent per name (specs: `zone`, `args`), until every one is connected."""
     await make_workers(*specs)
-    running = {
-        name: Agent(name, url, tmp, *spec.get("args", ()), zone=spec.get("zone")).start()
-        for name, spec in specs.items()
-    }
+    running = {}
     try:
+        for name, spec in specs.items():
+            agent = Agent(name, url, tmp, *spec.get("args", ()), zone=spec.get("zone"))
+            running[name] = await agent.__aenter__()
         await connected(*specs)
         yield running
     finally:
         for agent in running.values():
-            agent.stop()
+            await agent.stop()
 
 
 async def connected(*names: str, timeout: float = 30.0) -> None:

@@ -39,7 +39,7 @@ async def test_a_drained_agent_lets_its_running_member_finish_and_exits_0(stack,
         )
         await pids_in(pids, 2)
         running["a"].signal(signal.SIGTERM)
-        assert await running["a"].wait_exit(timeout=20) == 0
+        assert await running["a"].exit_status(timeout=20) == 0
         assert await until(lambda: finished(cluster), timeout=30) == "Completed"
         seats = await q(lambda: seat_of(cluster))
     drained = next(s for s in seats.values() if s["worker"] == "a")
@@ -177,13 +177,13 @@ async def test_an_agent_over_wss_runs_a_job_when_it_trusts_the_authority_and_exi
     url = f"wss://localhost:{port}/proto"
     await make_workers("trusting", "doubting")
 
-    doubting = Agent("doubting", url, tmp_path).start()
-    assert await doubting.wait_exit(timeout=20) == 3
-    assert "certificate" in doubting.log_path.read_text()
+    async with Agent("doubting", url, tmp_path) as doubting:
+        assert await doubting.exit_status(timeout=20) == 3
+        assert "certificate" in (await doubting.wait_event("fatal"))["reason"]
     # The handshake never reached the application, so the token was never sent.
     assert await q(lambda: Worker.objects.get(name="doubting").last_seen_at) is None
 
-    trusting = Agent("trusting", url, tmp_path, "--ca-file", pem["ca"]).start()
+    trusting = await Agent("trusting", url, tmp_path, "--ca-file", pem["ca"]).__aenter__()
     try:
         await connected("trusting")
         command = json.dumps(sh("echo over tls"))
@@ -198,5 +198,5 @@ async def test_an_agent_over_wss_runs_a_job_when_it_trusts_the_authority_and_exi
             lambda: DispatchedJob.objects.filter(job_id=job, finished_at__isnull=False).first()
         )
     finally:
-        trusting.stop()
+        await trusting.stop()
     assert row.outcome == "Completed" and "over tls" in row.log_tail
