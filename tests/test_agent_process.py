@@ -31,7 +31,11 @@ BOUND = 10.0  # seconds any one thing may take here before the test fails
 AGENT = """
 import asyncio, os, sys
 from pathlib import Path
+from workers.agent import process
 from workers.agent.process import JobProcess
+
+if os.environ.get("SPAWN") == "preexec":  # as on a machine without util-linux's setpriv
+    process.SETPRIV = None
 
 async def main():
     job = JobProcess(Path(sys.argv[1]), sys.argv[2:], dict(os.environ), timeout_secs=None,
@@ -242,7 +246,7 @@ async def test_an_abort_is_idempotent_and_changes_nothing_once_the_job_has_ended
     assert (outcome.kind, outcome.error) == ("aborted", "aborted before it ran")
 
 
-async def start_agent(directory: Path, script: str, assignment_id: str):
+async def start_agent(directory: Path, script: str, assignment_id: str, spawn: str = "setpriv"):
     """A stand-in agent process running one job; returns it and the job's pid."""
     agent = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -253,7 +257,7 @@ async def start_agent(directory: Path, script: str, assignment_id: str):
         "-c",
         script,
         cwd=ROOT,
-        env={**os.environ, "GRADIENT_ASSIGNMENT_ID": assignment_id},
+        env={**os.environ, "GRADIENT_ASSIGNMENT_ID": assignment_id, "SPAWN": spawn},
         stdout=asyncio.subprocess.PIPE,
     )
     line = await asyncio.wait_for(agent.stdout.readline(), BOUND)
@@ -261,8 +265,9 @@ async def start_agent(directory: Path, script: str, assignment_id: str):
 
 
 @pytest.mark.asyncio
-async def test_the_jobs_first_process_dies_with_its_agent_even_by_sigkill(tmp_path, strays):
-    agent, pid = await start_agent(tmp_path / "a1", "exec sleep 60", "a1")
+@pytest.mark.parametrize("spawn", ["setpriv", "preexec"])
+async def test_the_jobs_first_process_dies_with_its_agent_even_by_sigkill(tmp_path, strays, spawn):
+    agent, pid = await start_agent(tmp_path / "a1", "exec sleep 60", "a1", spawn)
     strays.append(pid)
     assert alive(pid)
     agent.kill()

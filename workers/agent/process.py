@@ -36,6 +36,9 @@ LEFTOVER_ROUNDS = 5
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+# util-linux's setpriv sets the parent-death signal and execs the job: the agent then spawns
+# without Python in the child, which lets it vfork instead of copying its own memory.
+SETPRIV = shutil.which("setpriv")
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ class JobProcess:
         # signal fires when the thread that forked ends. Popen, not create_subprocess_exec: its
         # child watcher would reap the leader at once, freeing the group's id before we end it.
         try:
+            argv, dies_with = self._spawned_argv()
             self._popen = subprocess.Popen(
-                self.argv,
+                argv,
                 cwd=self.directory,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -111,7 +115,7 @@ class JobProcess:
                 # A session of its own: its group can be signalled whole, and a terminal's
                 # Ctrl-C reaches the agent alone.
                 start_new_session=True,
-                preexec_fn=_dies_with(os.getpid()),
+                preexec_fn=dies_with,
             )
         except (OSError, ValueError) as error:
             self._cannot_start = _why_not_started(self.argv[0], error)
@@ -127,6 +131,22 @@ class JobProcess:
             _write_record(self.directory, self.pid, self.env.get(MARKER_VAR))
         except OSError as error:  # unrecorded, a group could outlive a crash of the agent
             self._end("permanent", f"cannot record the job's process group: {error}")
+
+    def _spawned_argv(self) -> tuple[list[str], object]:
+        """The argv to spawn, and what runs in the child before exec (None: nothing)."""
+        if SETPRIV is None:
+            return self.argv, _dies_with(os.getpid())
+        # setpriv would only report a command it cannot exec in the job's output: tell it here.
+        program = self.argv[0]
+        if "/" in program:
+            found = os.path.join(self.directory, program)  # the job's directory is its cwd
+        else:
+            found = shutil.which(program, path=self.env.get("PATH"))
+        if found is None or not os.path.isfile(found):
+            raise FileNotFoundError(program)
+        if not os.access(found, os.X_OK):
+            raise PermissionError(program)
+        return [SETPRIV, "--pdeathsig", "KILL", "--", *self.argv], None
 
     async def wait(self) -> Outcome:
         """Until the first process exits (or the timeout ends the group); then its group's
