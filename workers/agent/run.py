@@ -29,7 +29,8 @@ async def prepare(agent, job: Job) -> JobProcess:
     member = None
     if job.attempt is not None:
         files = agent.runtime / "members" / job.assignment_id
-        roster_file, hostfile = await asyncio.to_thread(member_files, files, job.roster)
+        # Two small files, written on the loop: a thread's hop costs more than the writes.
+        roster_file, hostfile = member_files(files, job.roster)
         socket = await agent.hub.open(job.attempt)
         member = env.Member(
             attempt=job.attempt,
