@@ -24,7 +24,7 @@ from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
 from clusters.tracking import STARTABLE_SQL, planned_worker, role_indexes
 from gradient.jobs.models import DispatchedJob
 from workers.health import is_quarantined
-from workers.models import Worker
+from workers.models import Worker, idle_slot_fresh_since
 
 # Up to this many members the blocking set is the smallest one, found by trying every subset.
 SUBSETS_UP_TO = 12
@@ -180,7 +180,7 @@ class _Connected:
 
 def _connected(now) -> list[_Connected]:
     """Every connected worker, by name, with its idle slots."""
-    fresh = now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    fresh = idle_slot_fresh_since(now)
     out = []
     for w in (
         Worker.objects.filter(channel_name__isnull=False, revoked_at__isnull=True)

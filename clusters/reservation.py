@@ -25,7 +25,7 @@ from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, Reser
 from clusters.tracking import StartableCluster, fleet, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.health import quarantined_q
-from workers.models import IdleSlot, JobScore, Worker
+from workers.models import IdleSlot, JobScore, Worker, idle_slot_fresh_since
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,10 @@ def committable(reservation: ClusterReservation, book: dict[int, StartableCluste
     cluster = book.get(reservation.cluster_job_id)
     if cluster is None:
         return None
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     seats = list(reservation.seats.select_related("worker"))
     idle = set(
         IdleSlot.objects.filter(
-            worker_id__in=[s.worker_id for s in seats], recorded_at__gte=now - ttl
+            worker_id__in=[s.worker_id for s in seats], recorded_at__gte=idle_slot_fresh_since(now)
         ).values_list("worker_id", "kind")
     )
     if any((s.worker_id, s.kind) not in idle for s in seats):

@@ -22,6 +22,7 @@ from gradient.postgresql.arrays import int_array
 from gradient.wire.keys import member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 from workers.health import quarantined_sql
+from workers.models import idle_slot_fresh_since
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,12 @@ ORDER BY w.id
 def fleet(now, *, idle_only: bool, reserved=()) -> tuple[list[WorkerRow], dict[int, frozenset]]:
     """FLEET_SQL's rows, and the projects of each worker limited to some: plain rows in two
     statements, whatever the fleet's size (not a model instance per worker)."""
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     sql = FLEET_SQL.format(join="" if idle_only else "LEFT", quarantined=quarantined_sql("w"))
     access: dict[int, set[int]] = {}
     with connection.cursor() as cursor:
-        cursor.execute(sql, {"fresh": now - ttl, "reserved": int_array(reserved), "now": now})
+        cursor.execute(
+            sql, {"fresh": idle_slot_fresh_since(now), "reserved": int_array(reserved), "now": now}
+        )
         rows = [WorkerRow._make(row) for row in cursor.fetchall()]
         limited = [w.pk for w in rows if not w.all_projects]
         if limited:

@@ -8,10 +8,8 @@ of free capacity.
 import functools
 import uuid
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 from pydantic_core import to_json
@@ -37,7 +35,7 @@ from workers.head import (
     read_singles,
     window,
 )
-from workers.models import IdleSlot, Worker
+from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
 HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
 
@@ -239,7 +237,7 @@ def record_idle(worker_id: int, kind: str, resend: bool = False) -> bool:
             cursor.execute(REFRESH_IDLE_SQL, params)
             replaced = cursor.fetchone()
         if replaced is not None:
-            return replaced[0] < now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+            return replaced[0] < idle_slot_fresh_since(now)
     # The atomic block opens the connection before the pipeline is asked of it.
     with transaction.atomic(), connection.wrap_database_errors, connection.connection.pipeline():
         send(LOCK_IDLE_SQL, params)
