@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from clusters import planner, reservation
 from clusters.history import iso_utc
-from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
+from clusters.models import ATTEMPT_IS_OPEN, AttemptOutcome, ClusterJob, ClusterStatus
 from clusters.tracking import STARTABLE_SQL, planned_worker, role_indexes
 from gradient.jobs.models import DispatchedJob
 from workers.health import is_quarantined
@@ -53,13 +53,13 @@ def explain(cluster_id: int, now=None, reserved: dict[int, int] | None = None) -
 def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:
     attempts = cluster.attempts_made.order_by("-created_at")
     if cluster.status == ClusterStatus.RUNNING:
-        started = attempts.filter(started_at__isnull=False, finished_at__isnull=True).first()
+        started = attempts.filter(ATTEMPT_IS_OPEN, started_at__isnull=False).first()
         if started is None:
             return ["Running"]
         return [f"Running: attempt {started.pk} started at {iso_utc(started.started_at)}"]
     if cluster.status != ClusterStatus.QUEUED:
         return [cluster.status]
-    open_attempt = attempts.filter(finished_at__isnull=True).first()
+    open_attempt = attempts.filter(ATTEMPT_IS_OPEN).first()
     if open_attempt is not None:
         since = iso_utc(open_attempt.created_at)
         return [f"preparing: attempt {open_attempt.pk} open since {since}"]

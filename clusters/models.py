@@ -79,6 +79,24 @@ ATTEMPT_MACHINE = StateMachine(
     writes={ATTEMPT_STARTED: "started_at = {at}"},
 )
 
+# An attempt is open until it finishes; idx-cluster_attempt-open keeps one at most per cluster.
+# The same rule in the ORM (over ClusterAttempt) and in SQL (over an attempt aliased a).
+ATTEMPT_IS_OPEN = Q(finished_at__isnull=True)
+ATTEMPT_IS_OPEN_SQL = "a.finished_at IS NULL"
+
+
+def open_attempts(cluster):
+    """The cluster's open attempt, a queryset of one row at most; `cluster` an id or OuterRef."""
+    return ClusterAttempt.objects.filter(cluster_job=cluster).filter(ATTEMPT_IS_OPEN)
+
+
+def no_open_attempt_sql(cluster: str) -> str:
+    """SQL: the cluster whose id is the SQL `cluster` has no open attempt."""
+    return (
+        "NOT EXISTS (SELECT 1 FROM cluster_attempt a\n"
+        f"            WHERE a.cluster_job_id = {cluster} AND {ATTEMPT_IS_OPEN_SQL})"
+    )
+
 
 # The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
 # of a Queued or Running cluster, whoever writes cluster_job or cluster_member. The flag is
@@ -256,7 +274,7 @@ class ClusterAttempt(models.Model):
             # which arbitrates between server instances claiming one cluster.
             models.UniqueConstraint(
                 fields=["cluster_job"],
-                condition=Q(finished_at__isnull=True),
+                condition=ATTEMPT_IS_OPEN,
                 name="idx-cluster_attempt-open",
             ),
         ]

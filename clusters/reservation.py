@@ -21,7 +21,13 @@ from django.db.models import Q
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
+from clusters.models import (
+    ClusterJob,
+    ClusterReservation,
+    ClusterStatus,
+    ReservationSeat,
+    open_attempts,
+)
 from clusters.tracking import StartableCluster, fleet, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.health import quarantined_q
@@ -73,10 +79,7 @@ def release_stale(now) -> str | None:
         quarantined_q(now), pk__in=active.seats.values("worker_id")
     ).exists():
         reason = "a seat's worker was quarantined"
-    elif (
-        cluster.status != ClusterStatus.QUEUED
-        or cluster.attempts_made.filter(finished_at__isnull=True).exists()
-    ):
+    elif cluster.status != ClusterStatus.QUEUED or open_attempts(cluster.pk).exists():
         reason = "the cluster left the queue"
     elif {m.job_key for m in cluster.members.all()} != set(
         active.seats.values_list("job_id", flat=True)

@@ -16,7 +16,12 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import AttemptOutcome, ClusterStatus
+from clusters.models import (
+    ATTEMPT_IS_OPEN_SQL,
+    AttemptOutcome,
+    ClusterStatus,
+    no_open_attempt_sql,
+)
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
 from gradient.wire.keys import member_key_sql
@@ -172,7 +177,7 @@ FROM cluster_job c
 CROSS JOIN LATERAL (
     SELECT count(*) AS blocking FROM cluster_attempt a
     WHERE a.cluster_job_id = c.id
-      AND (a.finished_at IS NULL
+      AND ({ATTEMPT_IS_OPEN_SQL}
            OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s))
 ) t
 CROSS JOIN LATERAL (
@@ -338,8 +343,9 @@ CROSS JOIN LATERAL (
     LIMIT {window}
 ) x
 WHERE c.waiting_since IS NOT NULL {project_of_cluster}
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND """
+    + no_open_attempt_sql("c.id")
+    + """
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, x.role, x.member
 LIMIT {window}
 """
@@ -356,8 +362,9 @@ JOIN cluster_job c ON c.id = m.cluster_job_id
 JOIN {table} j ON j.id = m.{member_column}
 JOIN project p ON p.id = j.project_id
 WHERE m.pin = %(name)s AND c.waiting_since IS NOT NULL {project_of_cluster}
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND """
+    + no_open_attempt_sql("c.id")
+    + """
   AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
     + FEATURES_SQL
     + """
