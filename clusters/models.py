@@ -2,8 +2,10 @@
 the jobs it assigns and points back here through cluster_attempt)."""
 
 import uuid
+from datetime import datetime, timedelta
 
 import pgtrigger
+from django.conf import settings
 from django.db import models
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Exact
@@ -88,6 +90,25 @@ ATTEMPT_IS_OPEN_SQL = "a.finished_at IS NULL"
 def open_attempts(cluster):
     """The cluster's open attempt, a queryset of one row at most; `cluster` an id or OuterRef."""
     return ClusterAttempt.objects.filter(cluster_job=cluster).filter(ATTEMPT_IS_OPEN)
+
+
+# A cluster whose prepare failed waits GRADIENT_CLUSTER_RETRY_BACKOFF_SECS before it is placed
+# again: in the ORM (over ClusterAttempt) and in SQL (over an attempt aliased a, the cutoff bound
+# to %(backoff)s), both from backoff_since.
+def retry_backoff() -> timedelta:
+    return timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
+
+
+def backoff_since(now: datetime) -> datetime:
+    """A cluster whose prepare failed after this still backs off."""
+    return now - retry_backoff()
+
+
+def backing_off(now: datetime) -> Q:
+    return Q(outcome=AttemptOutcome.PREPARE_FAILED, finished_at__gt=backoff_since(now))
+
+
+BACKING_OFF_SQL = f"a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s"
 
 
 def no_open_attempt_sql(cluster: str) -> str:

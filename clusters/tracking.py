@@ -8,18 +8,18 @@ and cluster_job (migration 0005), whoever writes them.
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
 from clusters.models import (
     ATTEMPT_IS_OPEN_SQL,
-    AttemptOutcome,
+    BACKING_OFF_SQL,
     ClusterStatus,
+    backoff_since,
     no_open_attempt_sql,
 )
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
@@ -178,7 +178,7 @@ CROSS JOIN LATERAL (
     SELECT count(*) AS blocking FROM cluster_attempt a
     WHERE a.cluster_job_id = c.id
       AND ({ATTEMPT_IS_OPEN_SQL}
-           OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s))
+           OR ({BACKING_OFF_SQL}))
 ) t
 CROSS JOIN LATERAL (
     SELECT bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}',
@@ -244,9 +244,8 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     with its members, in two queries (plain rows, no model instances: a pass may read
     thousands)."""
     now = now or timezone.now()
-    backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
     with connection.cursor() as cursor:
-        cursor.execute(STARTABLE_SQL, {"backoff": backoff, "limit": limit})
+        cursor.execute(STARTABLE_SQL, {"backoff": backoff_since(now), "limit": limit})
         heads = cursor.fetchall()
         if not heads:
             return []
