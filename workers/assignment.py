@@ -39,6 +39,16 @@ from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
 HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
 
+
+def has_room_sql(kind: str) -> str:
+    """SQL: the worker row w has room for one more job of `kind` (an SQL text expression): not
+    draining, and fewer open assignments of the kind (held members included) than its slots."""
+    return f"""NOT w.draining AND (SELECT count(*) FROM dispatched_job d
+                   WHERE d.worker_id = w.id AND d.kind = {kind} AND d.finished_at IS NULL)
+                  < CASE WHEN {kind} = '{JobKind.BUILD}' THEN w.max_concurrent_builds
+                         ELSE w.max_concurrent_evals END"""
+
+
 # The single path's claim, in one statement: the best of the ranked jobs that no other claim
 # is taking right now (a claimer locks its job row, and the others pass over it instead of
 # queueing behind its transaction: workers that score alike all prefer the same job), if the
@@ -56,9 +66,7 @@ WITH pick AS (
     LIMIT 1
     FOR NO KEY UPDATE {skip}
 ), room AS (
-    SELECT w.draining OR (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
-                              AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots}
-               AS no_room,
+    SELECT NOT ({has_room}) AS no_room,
            EXISTS (SELECT 1 FROM reservation_seat s
                    JOIN cluster_reservation r ON r.id = s.reservation_id
                    WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
@@ -108,7 +116,7 @@ def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -
         table=table,
         kind=kind,
         statuses=literals(statuses),
-        slots="max_concurrent_builds" if kind == JobKind.BUILD else "max_concurrent_evals",
+        has_room=has_room_sql(f"'{kind}'"),
         claim=claim_sql(PICKED.format(prefix=prefix)),
         targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
         guard=machine.guard("j", "assigned_from"),
@@ -198,12 +206,9 @@ def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
 LOCK_IDLE_SQL = """
 SELECT 1 FROM idle_slot WHERE worker_id = %(worker)s AND kind = %(kind)s::text FOR UPDATE
 """
-RECORD_IDLE_SQL = """
+RECORD_IDLE_SQL = f"""
 WITH room AS (
-    SELECT w.id, NOT w.draining AND (SELECT count(*) FROM dispatched_job d
-                   WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL)
-                  < CASE WHEN %(kind)s::text = 'build' THEN w.max_concurrent_builds
-                         ELSE w.max_concurrent_evals END AS free
+    SELECT w.id, {has_room_sql("%(kind)s::text")} AS free
     FROM worker w WHERE w.id = %(worker)s
 ), kept AS (
     INSERT INTO idle_slot (worker_id, kind, recorded_at)
