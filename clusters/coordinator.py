@@ -14,7 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters.blame import PREPARE_TIMEOUT, REJECTED, Blame
-from clusters.claim import fail_prepare_attempt
+from clusters.claim import SET_LOCK_TIMEOUT, fail_prepare_attempt, lock_timeout_params
 from clusters.models import (
     ATTEMPT_IS_OPEN,
     ATTEMPT_MACHINE,
@@ -94,7 +94,7 @@ _EVALUATING = EVALUATION_MACHINE.update(
 )
 ACCEPT_SQL = f"""
 WITH held AS (
-    SELECT cluster_attempt_id, set_config('lock_timeout', %(lock_timeout)s, true)
+    SELECT cluster_attempt_id, {SET_LOCK_TIMEOUT}
     FROM dispatched_job
     WHERE worker_id = %(worker)s AND job_id = %(job)s AND finished_at IS NULL
 ), attempt AS (
@@ -144,7 +144,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
     params = {
         "worker": worker_id,
         "job": job_id,
-        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **lock_timeout_params(),
         **START_PARAMS,
     }
     with connection.cursor() as cursor:

@@ -14,12 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.blame import Blame, blame_for, blame_seats
-from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
+from clusters.claim import (
+    RELEASED_FROM,
+    SET_LOCK_TIMEOUT,
+    bound_lock_waits,
+    close_cluster_attempt,
+    lock_timeout_params,
+)
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
 from clusters.verdict import (
@@ -96,8 +101,8 @@ REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
                        WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
 # bound_lock_waits, for a member's row only: an assignment that is no member's (a single's
 # JobFailed, handled in the same transaction) keeps its lock waits as they were.
-BOUND_LOCK_WAITS_SQL = f"""
-SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
+BOUND_MEMBER_LOCK_WAITS_SQL = f"""
+SELECT {SET_LOCK_TIMEOUT} WHERE {REPORTED_ATTEMPT} IS NOT NULL
 """
 # Reports of one attempt queue on its row (resolve_attempt locks it first too).
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
@@ -265,12 +270,12 @@ def _record_report(
         "kind": kind,
         **output,
         "completed": DispatchedOutcome.COMPLETED,
-        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **lock_timeout_params(),
         **DISPATCHED_MACHINE.bind("finish", outcome, at=timezone.now()),
         **MEMBER_STATUSES,
     }
     with connection.wrap_database_errors, connection.connection.pipeline():
-        send(BOUND_LOCK_WAITS_SQL, params)
+        send(BOUND_MEMBER_LOCK_WAITS_SQL, params)
         send(LOCK_ATTEMPT_SQL, params)
         finish = send(FINISH_SQL, params)
         if outcome == DispatchedOutcome.COMPLETED:
