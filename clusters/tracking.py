@@ -24,7 +24,7 @@ from clusters.models import (
 )
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
-from gradient.wire.keys import member_key_sql
+from gradient.wire.keys import job_key_sql, member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 from workers.health import quarantined_sql
 from workers.models import idle_slot_fresh_since
@@ -324,7 +324,7 @@ def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
 # workers.offers' members. (workers.head.access_sql runs one walk per range.)
 MEMBER_WALK = (
     """
-SELECT '{prefix}' || x.id::text AS key, '{kind}'::text AS kind, x.project,
+SELECT {key} AS key, '{kind}'::text AS kind, x.project,
        x.architecture, x.required_features::text[] AS required_features, x.paths,
        c.prioritized, c.created_at, c.id AS cluster, x.role, x.member
 FROM cluster_job c
@@ -353,7 +353,7 @@ LIMIT {window}
 # idx-cluster_member-pin.
 PINNED_WALK = (
     """
-SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, p.name AS project,
+SELECT {key} AS key, '{kind}'::text AS kind, p.name AS project,
        j.architecture, j.required_features::text[] AS required_features, j.paths,
        c.prioritized, c.created_at, c.id AS cluster, m.role, m.id AS member
 FROM cluster_member m
@@ -388,12 +388,11 @@ def member_head_parts(worker, kinds=JobKind.values) -> list[str]:
     for how in (offerable(worker, kind) for kind in kinds):
         if how is None or how.fetch_only:
             continue
-        table, prefix = job_table(how.kind)
         column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
-        for template in (MEMBER_WALK, PINNED_WALK):
+        for template, job in ((MEMBER_WALK, "x"), (PINNED_WALK, "j")):
             walk = template.format(
-                table=table,
-                prefix=prefix,
+                table=job_table(how.kind),
+                key=job_key_sql(how.kind, f"{job}.id"),
                 kind=how.kind,
                 member_column=column,
                 queued=literals(how.statuses[:1]),  # a member starts from Queued only

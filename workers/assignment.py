@@ -25,6 +25,7 @@ from gradient.jobs.models import (
 from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.work import NO_WORK
 from gradient.postgresql.pipeline import send
+from gradient.wire.keys import job_key_sql
 from gradient.wire.protocol import AssignJob, Rendered
 from workers.head import (
     HeadJob,
@@ -89,7 +90,7 @@ SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.r
        (SELECT work FROM claimed)
 FROM room
 """
-PICKED = """t.job_id = '{prefix}' || (SELECT id FROM pick)::text
+PICKED = """t.job_id = {picked}
   AND NOT EXISTS (SELECT 1 FROM room WHERE no_room OR reserved)"""
 
 
@@ -109,7 +110,7 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 
 @functools.cache
 def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -> str:
-    table, prefix = job_table(kind)
+    table = job_table(kind)
     machine = BUILD_MACHINE if kind == JobKind.BUILD else EVALUATION_MACHINE
     moves = dict(zip(statuses, steps, strict=True))
     return SINGLE_CLAIM_SQL.format(
@@ -117,7 +118,7 @@ def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -
         kind=kind,
         statuses=literals(statuses),
         has_room=has_room_sql(f"'{kind}'"),
-        claim=claim_sql(PICKED.format(prefix=prefix)),
+        claim=claim_sql(PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))),
         targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
         guard=machine.guard("j", "assigned_from"),
         skip="SKIP LOCKED" if skip else "",

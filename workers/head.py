@@ -18,7 +18,7 @@ from django.db import connection
 
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.steps import BUILD_STEPS, FETCH_STEPS, FOLLOW_UP_STEPS, FULL_STEPS
-from gradient.wire.keys import PREFIX
+from gradient.wire.keys import job_key_sql
 from workers.models import Worker
 
 
@@ -57,9 +57,8 @@ def offerable(worker: Worker, kind: str) -> Offerable | None:
     return None
 
 
-def job_table(kind: str) -> tuple[str, str]:
-    """(table, job key prefix) of a kind."""
-    return ("derivation_build" if kind == JobKind.BUILD else "evaluation"), PREFIX[kind]
+def job_table(kind: str) -> str:
+    return "derivation_build" if kind == JobKind.BUILD else "evaluation"
 
 
 def literals(values) -> str:
@@ -106,7 +105,7 @@ LIMIT {window}
 # startable, no member of an active cluster, no open assignment.
 SINGLES_WALK = (
     """
-SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, j.id, j.status,
+SELECT {key} AS key, '{kind}'::text AS kind, j.id, j.status,
        {substitute} AS substitute, j.project_id, p.name AS project, j.architecture,
        j.required_features, j.paths, j.prioritized, j.passed_over, j.created_at
 FROM {table} j
@@ -116,7 +115,7 @@ WHERE j.architecture = a.architecture {project}
     + FEATURES_SQL
     + """
   AND NOT EXISTS (SELECT 1 FROM dispatched_job d
-                  WHERE d.job_id = '{prefix}' || j.id::text AND d.finished_at IS NULL)
+                  WHERE d.job_id = {key} AND d.finished_at IS NULL)
 ORDER BY j.prioritized DESC, j.created_at ASC
 LIMIT {window}
 """
@@ -206,10 +205,9 @@ def singles_sql(how: Offerable, architectures: int) -> str:
 # expects to read a tenth of the index and keeps planning every call afresh instead.
 @functools.cache
 def _singles_sql(kind: str, statuses: tuple[str, ...], window: int, architectures: int) -> str:
-    table, prefix = job_table(kind)
     walk = SINGLES_WALK.format(
-        table=table,
-        prefix=prefix,
+        table=job_table(kind),
+        key=job_key_sql(kind, "j.id"),
         kind=kind,
         statuses=literals(statuses),
         substitute="j.cache_available" if kind == JobKind.BUILD else "false",
