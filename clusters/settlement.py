@@ -38,11 +38,10 @@ from clusters.verdict import (
 )
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
-    BUILD_MACHINE,
     BUILD_TERMINAL,
     DISPATCHED_MACHINE,
-    EVALUATION_MACHINE,
     EVALUATION_TERMINAL,
+    JOB_MACHINES,
     BuildStatus,
     DispatchedOutcome,
     EvaluationStatus,
@@ -122,7 +121,6 @@ REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
 # its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
 # cluster: one statement), then in one round trip (a pipeline) every member job's guarded
 # write, by kind, each job to its own target.
-JOB_MACHINES = {JobKind.BUILD: BUILD_MACHINE, JobKind.EVAL: EVALUATION_MACHINE}
 MOVE_SQL = {kind: machine.update_each("jobs") for kind, machine in JOB_MACHINES.items()}
 
 

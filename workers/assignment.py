@@ -16,13 +16,11 @@ from pydantic_core import to_json
 
 from gradient.jobs.claim import Assignment, ClaimGate, claim_params, claim_sql
 from gradient.jobs.models import (
-    BUILD_MACHINE,
-    EVALUATION_MACHINE,
+    JOB_MACHINES,
     BuildStatus,
     EvaluationStatus,
     JobKind,
 )
-from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.work import NO_WORK
 from gradient.postgresql.pipeline import send
 from gradient.wire.keys import job_key_sql
@@ -74,8 +72,7 @@ WITH pick AS (
                AS reserved
     FROM worker w WHERE w.id = %(worker)s
 ), claimed AS ({claim}), assigned AS (
-    UPDATE {table} j SET status = CASE j.status {targets} END
-    FROM pick, claimed WHERE j.id = pick.id AND {guard}
+{assigned}
 ), unidle AS (
     DELETE FROM idle_slot s
     WHERE s.worker_id = %(worker)s AND s.kind = '{kind}' AND EXISTS (SELECT 1 FROM claimed)
@@ -109,38 +106,29 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 
 
 @functools.cache
-def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -> str:
-    table = job_table(kind)
-    machine = BUILD_MACHINE if kind == JobKind.BUILD else EVALUATION_MACHINE
-    moves = dict(zip(statuses, steps, strict=True))
+def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool) -> str:
     return SINGLE_CLAIM_SQL.format(
-        table=table,
+        table=job_table(kind),
         kind=kind,
         statuses=literals(statuses),
         has_room=has_room_sql(f"'{kind}'"),
         claim=claim_sql(PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))),
-        targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
-        guard=machine.guard("j", "assigned_from"),
+        assigned=JOB_MACHINES[kind].update(
+            "assigned", "id = (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)"
+        ),
         skip="SKIP LOCKED" if skip else "",
     )
 
 
-def _assigned(kind: str, status: str, steps: tuple[str, ...]) -> str:
-    """The Assigned transition of a job claimed from `status` for these steps."""
-    if kind == JobKind.BUILD:
-        return BuildStatus.BUILDING
-    fetch = list(steps) == FETCH_STEPS
-    return EvaluationStatus.FETCHING if fetch else EvaluationStatus.EVALUATING_FLAKE
-
-
-def _assigned_from(how: Offerable) -> list[str]:
-    """The sources the machine allows for the Assigned transitions of this kind's claims."""
-    machine = BUILD_MACHINE if how.kind == JobKind.BUILD else EVALUATION_MACHINE
-    allowed = set()
-    for status in how.statuses:
-        to = _assigned(how.kind, status, tuple(how.steps_for[status]))
-        allowed |= machine.allowed(to, {status})
-    return sorted(allowed)
+def _assigned(how: Offerable) -> dict:
+    """The parameters of the Assigned transition of a job claimed this way: a build goes
+    Building; an evaluation Fetching for a fetch-only worker, else EvaluatingFlake (from Queued
+    or Fetching alike)."""
+    if how.kind == JobKind.BUILD:
+        to = BuildStatus.BUILDING
+    else:
+        to = EvaluationStatus.FETCHING if how.fetch_only else EvaluationStatus.EVALUATING_FLAKE
+    return JOB_MACHINES[how.kind].bind("assigned", to, how.statuses)
 
 
 class Claimed(NamedTuple):
@@ -158,19 +146,17 @@ NOTHING = Claimed(None, None, [], False, False)
 def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
     """Claim the first of `jobs` (ranked) that can be claimed."""
     by_id = {job.id: job for job in jobs}
-    statuses = how.statuses
-    steps = tuple(tuple(how.steps_for[s]) for s in statuses)
     skip = True
     while by_id:
         rows = {job.key: _assignment(worker, how, job) for job in by_id.values()}
         with connection.cursor() as cursor:
             cursor.execute(
-                _claim_sql(how.kind, statuses, steps, skip),
+                _claim_sql(how.kind, how.statuses, skip),
                 {
                     "ids": list(by_id),
                     "worker": worker.pk,
                     "first": first.id,
-                    "assigned_from": _assigned_from(how),
+                    **_assigned(how),
                     **claim_params(list(rows.values())),
                 },
             )
