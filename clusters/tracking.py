@@ -236,7 +236,7 @@ class _Member(NamedTuple):
     project: str
     cache_available: bool
     paths: list[str]
-    job_key: str  # made by PostgreSQL: formatting uuids was half the book's Python time
+    job_key: str  # made by PostgreSQL, which formats the uuids cheaper than Python
 
 
 def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:

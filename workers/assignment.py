@@ -309,7 +309,7 @@ def assign_job(
 ) -> RenderedAssign:
     """The AssignJob of a claimed job, a single's or (with its hold, a ClusterHold's fields) a
     member's, rendered from the database's own rows by pydantic's serializer without building
-    the models: a large pass frames thousands, and building them took two thirds of that.
+    the models: a large pass frames thousands, and the models would be most of its cost.
     `work` is what the job runs as its claim read it (CLAIMED_WORK); None for none."""
     job = str(job_id)
     work = work or NO_WORK

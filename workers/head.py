@@ -68,9 +68,9 @@ def literals(values) -> str:
 
 
 # What the worker's platform allows of a job row j beyond its architecture. PostgreSQL guesses
-# that an array containment holds for one row in 200 (it keeps no element statistics while jobs
-# need no feature), and would then sort the whole queue rather than walk the index to the
-# window; wrapped in coalesce, the test counts as one in two.
+# that an array containment rarely holds (it keeps no element statistics while jobs need no
+# feature), and would then sort the whole queue rather than walk the index to the window;
+# wrapped in coalesce, the test counts as an even chance.
 FEATURES_SQL = "coalesce(j.required_features <@ %(features)s, false)"
 
 # The condition of the heads' indexes over every project (gradient.jobs.models.EVERY_PROJECT),
@@ -81,11 +81,11 @@ EVERY_PROJECT_SQL = "j.created_at IS NOT NULL"
 # projects, per project of its), one index range in the single path's order up to the window,
 # so that the jobs of other architectures and projects are never read; then the first window
 # of them all. ({walk} is one range's rows.) The architectures are a VALUES list of as many
-# parameters as the worker has: unnest of an array parameter counts as a hundred rows in a
-# prepared statement's generic plan, which then looks too dear to use, and PostgreSQL planned
-# the offer afresh at every call (8 ms, four times its run). The walk over every project
-# states the condition of its index alone (`every_project`), so a walk of one project reads
-# its project's index.
+# parameters as the worker has: an unnested array parameter counts as many rows in a prepared
+# statement's generic plan, which then looks too dear to use, and PostgreSQL would plan the
+# offer afresh at every call (docs/design.md, "The statements stay bounded"). The walk over
+# every project states the condition of its index alone (`every_project`), so a walk of one
+# project reads its project's index.
 ACCESS_SQL = """
 SELECT h.* FROM (
     SELECT r.* FROM {architectures} AS a(architecture)

@@ -112,7 +112,7 @@ class JobScore(models.Model):
     and counts as the most expensive seat."""
 
     # The key is the pair: no id column, sequence or index of its own to write for each of
-    # the tens of thousands of rows a busy fleet's answers add a minute.
+    # the many rows a busy fleet's answers add.
     pk = models.CompositePrimaryKey("worker", "job_id")
     worker = models.ForeignKey(
         Worker,
