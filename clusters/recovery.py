@@ -17,7 +17,13 @@ from django.utils import timezone
 
 from clusters.claim import bound_lock_waits
 from clusters.coordinator import expire_overdue_prepares
-from clusters.models import ClusterJob, ClusterStatus, no_open_attempt_sql, open_attempts
+from clusters.models import (
+    ATTEMPT_IS_OPEN_SQL,
+    ClusterJob,
+    ClusterStatus,
+    no_open_attempt_sql,
+    open_attempts,
+)
 from clusters.settlement import MEMBER_STATUSES, Member, member_report, resolve_attempt, settle
 from clusters.verdict import LOST, Verdict, budget_left, decide
 from gradient.errors import NotAllowed
@@ -51,7 +57,7 @@ CROSS JOIN LATERAL (
     LEFT JOIN worker w ON w.id = d.worker_id
     WHERE m.cluster_job_id = a.cluster_job_id
 ) s
-WHERE a.finished_at IS NULL AND a.started_at IS NOT NULL
+WHERE {ATTEMPT_IS_OPEN_SQL} AND a.started_at IS NOT NULL
 """
 
 
