@@ -29,6 +29,7 @@ from clusters.models import (
     ClusterJob,
     ClusterMember,
     ClusterStatus,
+    open_attempts,
 )
 from clusters.settlement import abort_attempt
 from gradient.jobs.models import BuildStatus, DispatchedJob, DispatchedOutcome, EvaluationStatus
@@ -74,11 +75,7 @@ def abort_cluster(cluster_id, reason: str = DEFAULT_REASON) -> str:
             raise UnknownCluster(cluster_id)
         if status in CLUSTER_TERMINAL:
             raise AlreadyFinished(cluster_id, status)
-        attempt_id = (
-            ClusterAttempt.objects.filter(cluster_job_id=cluster_id, finished_at__isnull=True)
-            .values_list("pk", flat=True)
-            .first()
-        )
+        attempt_id = open_attempts(cluster_id).values_list("pk", flat=True).first()
         try:
             if attempt_id is None:
                 done = _abort_waiting(cluster_id)
@@ -121,9 +118,7 @@ def _abort_waiting(cluster_id) -> bool:
         )
         if status is None or status in CLUSTER_TERMINAL:
             return False
-        if ClusterAttempt.objects.filter(
-            cluster_job_id=cluster_id, finished_at__isnull=True
-        ).exists():
+        if open_attempts(cluster_id).exists():
             return False
         if not move(CLUSTER_MACHINE, [cluster_id], ClusterStatus.ABORTED, at=timezone.now()):
             return False

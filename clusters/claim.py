@@ -72,14 +72,20 @@ class _Lost(Exception):
     or changed since the filter read it): the whole transaction rolls back."""
 
 
+# Bounds the transaction's lock waits to GRADIENT_CLAIM_LOCK_TIMEOUT_MS: a frozen rival holding
+# a row lock costs a claim or a close a bounded wait, not a hang. An expression, so that a
+# statement may set it only where its WHERE says; its parameter is lock_timeout_params().
+SET_LOCK_TIMEOUT = "set_config('lock_timeout', %(lock_timeout)s, true)"
+BOUND_LOCK_WAITS_SQL = f"SELECT {SET_LOCK_TIMEOUT}"
+
+
+def lock_timeout_params() -> dict:
+    return {"lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"]))}
+
+
 def bound_lock_waits() -> None:
-    # A frozen rival holding a row lock must cost this claimer a bounded wait, not a hang.
     with connection.cursor() as cursor:
-        cursor.execute(_lock_timeout_sql())
-
-
-def _lock_timeout_sql() -> str:
-    return f"SET LOCAL lock_timeout = {int(settings.GRADIENT['CLAIM_LOCK_TIMEOUT_MS'])}"
+        cursor.execute(BOUND_LOCK_WAITS_SQL, lock_timeout_params())
 
 
 # The claim's steps, one statement each, for one cluster or a batch of them alike, sent
@@ -173,10 +179,11 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
         "now": timezone.now(),  # a seat's worker quarantined since the snapshot is no seat
         **claim_params(members),
         **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
+        **lock_timeout_params(),
     }
     with transaction.atomic(durable=True):
         with connection.wrap_database_errors, connection.connection.pipeline():
-            send(_lock_timeout_sql())
+            send(BOUND_LOCK_WAITS_SQL, params)
             opened = send(OPEN_ATTEMPTS_SQL, params)
             claimed = send(CLAIM_SQL, params)
             assigned = send(ASSIGN_BUILDS_SQL, params)

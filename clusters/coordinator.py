@@ -14,8 +14,9 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters.blame import PREPARE_TIMEOUT, REJECTED, Blame
-from clusters.claim import fail_prepare_attempt
+from clusters.claim import SET_LOCK_TIMEOUT, fail_prepare_attempt, lock_timeout_params
 from clusters.models import (
+    ATTEMPT_IS_OPEN,
     ATTEMPT_MACHINE,
     ATTEMPT_STARTED,
     CLUSTER_MACHINE,
@@ -93,7 +94,7 @@ _EVALUATING = EVALUATION_MACHINE.update(
 )
 ACCEPT_SQL = f"""
 WITH held AS (
-    SELECT cluster_attempt_id, set_config('lock_timeout', %(lock_timeout)s, true)
+    SELECT cluster_attempt_id, {SET_LOCK_TIMEOUT}
     FROM dispatched_job
     WHERE worker_id = %(worker)s AND job_id = %(job)s AND finished_at IS NULL
 ), attempt AS (
@@ -143,7 +144,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
     params = {
         "worker": worker_id,
         "job": job_id,
-        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **lock_timeout_params(),
         **START_PARAMS,
     }
     with connection.cursor() as cursor:
@@ -197,7 +198,7 @@ def expire_overdue_prepares(now=None) -> list:
     now = now or timezone.now()
     deadline = now - timedelta(seconds=settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"])
     overdue = ClusterAttempt.objects.filter(
-        finished_at__isnull=True, started_at__isnull=True, created_at__lt=deadline
+        ATTEMPT_IS_OPEN, started_at__isnull=True, created_at__lt=deadline
     ).values_list("pk", flat=True)
     timeout = Blame(PREPARE_TIMEOUT)
     return [pk for pk in overdue if abort_prepare(pk, "prepare timed out", timeout)]
@@ -238,7 +239,7 @@ def forward_signal(worker_id: int, attempt: str, to: MemberRef | None, payload) 
     named by `to` or else to every other member. Returns how many got it."""
     attempt_id = uuid.UUID(attempt)
     is_started = ClusterAttempt.objects.filter(
-        pk=attempt_id, started_at__isnull=False, finished_at__isnull=True
+        ATTEMPT_IS_OPEN, pk=attempt_id, started_at__isnull=False
     ).exists()
     if not is_started:
         raise NotAllowed("signals are forwarded only within a started attempt")

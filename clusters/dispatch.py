@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import timedelta
 from itertools import batched
 
 from django.conf import settings
@@ -41,6 +40,7 @@ from gradient.jobs.steps import MEMBER_STEPS
 from gradient.logs import ids
 from gradient.wire.groups import send_frames
 from workers.assignment import assign_job
+from workers.models import idle_slot_fresh_since
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def run_pass(wait: bool = False) -> PassResult:
     try:
         result.expired = len(expire_overdue_prepares())
         now = timezone.now()
-        since = now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+        since = idle_slot_fresh_since(now)
         ready = startable_clusters(now)
         result.ready = len(ready)
         rows = {m.key: m for c in ready for m in c.members}

@@ -11,20 +11,25 @@ members breaking Hall's condition names the members and the workers they compete
 
 from collections import Counter
 from dataclasses import dataclass
-from datetime import timedelta
 from itertools import combinations
 
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from clusters import planner, reservation
 from clusters.history import iso_utc
-from clusters.models import AttemptOutcome, ClusterJob, ClusterStatus
+from clusters.models import (
+    ATTEMPT_IS_OPEN,
+    ClusterJob,
+    ClusterStatus,
+    backing_off,
+    backoff_since,
+    retry_backoff,
+)
 from clusters.tracking import STARTABLE_SQL, planned_worker, role_indexes
 from gradient.jobs.models import DispatchedJob
 from workers.health import is_quarantined
-from workers.models import Worker
+from workers.models import Worker, idle_slot_fresh_since
 
 # Up to this many members the blocking set is the smallest one, found by trying every subset.
 SUBSETS_UP_TO = 12
@@ -53,24 +58,19 @@ def explain(cluster_id: int, now=None, reserved: dict[int, int] | None = None) -
 def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:
     attempts = cluster.attempts_made.order_by("-created_at")
     if cluster.status == ClusterStatus.RUNNING:
-        started = attempts.filter(started_at__isnull=False, finished_at__isnull=True).first()
+        started = attempts.filter(ATTEMPT_IS_OPEN, started_at__isnull=False).first()
         if started is None:
             return ["Running"]
         return [f"Running: attempt {started.pk} started at {iso_utc(started.started_at)}"]
     if cluster.status != ClusterStatus.QUEUED:
         return [cluster.status]
-    open_attempt = attempts.filter(finished_at__isnull=True).first()
+    open_attempt = attempts.filter(ATTEMPT_IS_OPEN).first()
     if open_attempt is not None:
         since = iso_utc(open_attempt.created_at)
         return [f"preparing: attempt {open_attempt.pk} open since {since}"]
-    backoff = timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
-    failed = (
-        attempts.filter(outcome=AttemptOutcome.PREPARE_FAILED, finished_at__gt=now - backoff)
-        .order_by("-finished_at")
-        .first()
-    )
+    failed = attempts.filter(backing_off(now)).order_by("-finished_at").first()
     if failed is not None:
-        until = iso_utc(failed.finished_at + backoff)
+        until = iso_utc(failed.finished_at + retry_backoff())
         return [f"backing off until {until} after a failed prepare (attempt {failed.pk})"]
     if not members:
         return ["no members"]
@@ -91,11 +91,10 @@ def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:
 
 def _in_book(cluster_id: int, now) -> bool:
     """Tracking's own query, so explain and the dispatch pass agree on the book."""
-    backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT 1 FROM ({STARTABLE_SQL}) book WHERE book.id = %(id)s",
-            {"backoff": backoff, "limit": 10_000, "id": cluster_id},
+            {"backoff": backoff_since(now), "limit": 10_000, "id": cluster_id},
         )
         return cursor.fetchone() is not None
 
@@ -180,7 +179,7 @@ class _Connected:
 
 def _connected(now) -> list[_Connected]:
     """Every connected worker, by name, with its idle slots."""
-    fresh = now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+    fresh = idle_slot_fresh_since(now)
     out = []
     for w in (
         Worker.objects.filter(channel_name__isnull=False, revoked_at__isnull=True)

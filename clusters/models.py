@@ -2,8 +2,10 @@
 the jobs it assigns and points back here through cluster_attempt)."""
 
 import uuid
+from datetime import datetime, timedelta
 
 import pgtrigger
+from django.conf import settings
 from django.db import models
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Exact
@@ -78,6 +80,43 @@ ATTEMPT_MACHINE = StateMachine(
     write="finished_at = {at}, outcome = {to}",
     writes={ATTEMPT_STARTED: "started_at = {at}"},
 )
+
+# An attempt is open until it finishes; idx-cluster_attempt-open keeps one at most per cluster.
+# The same rule in the ORM (over ClusterAttempt) and in SQL (over an attempt aliased a).
+ATTEMPT_IS_OPEN = Q(finished_at__isnull=True)
+ATTEMPT_IS_OPEN_SQL = "a.finished_at IS NULL"
+
+
+def open_attempts(cluster):
+    """The cluster's open attempt, a queryset of one row at most; `cluster` an id or OuterRef."""
+    return ClusterAttempt.objects.filter(cluster_job=cluster).filter(ATTEMPT_IS_OPEN)
+
+
+# A cluster whose prepare failed waits GRADIENT_CLUSTER_RETRY_BACKOFF_SECS before it is placed
+# again: in the ORM (over ClusterAttempt) and in SQL (over an attempt aliased a, the cutoff bound
+# to %(backoff)s), both from backoff_since.
+def retry_backoff() -> timedelta:
+    return timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
+
+
+def backoff_since(now: datetime) -> datetime:
+    """A cluster whose prepare failed after this still backs off."""
+    return now - retry_backoff()
+
+
+def backing_off(now: datetime) -> Q:
+    return Q(outcome=AttemptOutcome.PREPARE_FAILED, finished_at__gt=backoff_since(now))
+
+
+BACKING_OFF_SQL = f"a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s"
+
+
+def no_open_attempt_sql(cluster: str) -> str:
+    """SQL: the cluster whose id is the SQL `cluster` has no open attempt."""
+    return (
+        "NOT EXISTS (SELECT 1 FROM cluster_attempt a\n"
+        f"            WHERE a.cluster_job_id = {cluster} AND {ATTEMPT_IS_OPEN_SQL})"
+    )
 
 
 # The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
@@ -256,7 +295,7 @@ class ClusterAttempt(models.Model):
             # which arbitrates between server instances claiming one cluster.
             models.UniqueConstraint(
                 fields=["cluster_job"],
-                condition=Q(finished_at__isnull=True),
+                condition=ATTEMPT_IS_OPEN,
                 name="idx-cluster_attempt-open",
             ),
         ]

@@ -17,7 +17,13 @@ from django.utils import timezone
 
 from clusters.claim import bound_lock_waits
 from clusters.coordinator import expire_overdue_prepares
-from clusters.models import ClusterAttempt, ClusterJob, ClusterStatus
+from clusters.models import (
+    ATTEMPT_IS_OPEN_SQL,
+    ClusterJob,
+    ClusterStatus,
+    no_open_attempt_sql,
+    open_attempts,
+)
 from clusters.settlement import MEMBER_STATUSES, Member, member_report, resolve_attempt, settle
 from clusters.verdict import LOST, Verdict, budget_left, decide
 from gradient.errors import NotAllowed
@@ -51,7 +57,7 @@ CROSS JOIN LATERAL (
     LEFT JOIN worker w ON w.id = d.worker_id
     WHERE m.cluster_job_id = a.cluster_job_id
 ) s
-WHERE a.finished_at IS NULL AND a.started_at IS NOT NULL
+WHERE {ATTEMPT_IS_OPEN_SQL} AND a.started_at IS NOT NULL
 """
 
 
@@ -105,8 +111,7 @@ STRANDED_MEMBERS_SQL = f"""
 WITH c AS (
     SELECT id, attempts, retry_budget FROM cluster_job
     WHERE id = %(cluster)s AND status = %(running)s
-      AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                      WHERE a.cluster_job_id = %(cluster)s AND a.finished_at IS NULL)
+      AND {no_open_attempt_sql("%(cluster)s")}
     FOR UPDATE
 )
 SELECT c.attempts, c.retry_budget,
@@ -126,11 +131,8 @@ def settle_running_without_attempt() -> list:
     """A Running cluster always has a started, open attempt. One without it (a crash between
     processes' steps) lost every member without a verdict: each reports as lost, and the
     verdict settles the cluster and its member jobs as it would an attempt's."""
-    open_attempt = ClusterAttempt.objects.filter(
-        cluster_job=OuterRef("pk"), finished_at__isnull=True
-    )
     stranded = ClusterJob.objects.filter(
-        ~Exists(open_attempt), status=ClusterStatus.RUNNING
+        ~Exists(open_attempts(OuterRef("pk"))), status=ClusterStatus.RUNNING
     ).values_list("pk", flat=True)
     settled = []
     for cluster_id in stranded:

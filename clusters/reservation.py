@@ -21,11 +21,17 @@ from django.db.models import Q
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import ClusterJob, ClusterReservation, ClusterStatus, ReservationSeat
+from clusters.models import (
+    ClusterJob,
+    ClusterReservation,
+    ClusterStatus,
+    ReservationSeat,
+    open_attempts,
+)
 from clusters.tracking import StartableCluster, fleet, planned_cluster, planned_worker
 from gradient.logs import ids
 from workers.health import quarantined_q
-from workers.models import IdleSlot, JobScore, Worker
+from workers.models import IdleSlot, JobScore, Worker, idle_slot_fresh_since
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +79,7 @@ def release_stale(now) -> str | None:
         quarantined_q(now), pk__in=active.seats.values("worker_id")
     ).exists():
         reason = "a seat's worker was quarantined"
-    elif (
-        cluster.status != ClusterStatus.QUEUED
-        or cluster.attempts_made.filter(finished_at__isnull=True).exists()
-    ):
+    elif cluster.status != ClusterStatus.QUEUED or open_attempts(cluster.pk).exists():
         reason = "the cluster left the queue"
     elif {m.job_key for m in cluster.members.all()} != set(
         active.seats.values_list("job_id", flat=True)
@@ -208,11 +211,10 @@ def committable(reservation: ClusterReservation, book: dict[int, StartableCluste
     cluster = book.get(reservation.cluster_job_id)
     if cluster is None:
         return None
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     seats = list(reservation.seats.select_related("worker"))
     idle = set(
         IdleSlot.objects.filter(
-            worker_id__in=[s.worker_id for s in seats], recorded_at__gte=now - ttl
+            worker_id__in=[s.worker_id for s in seats], recorded_at__gte=idle_slot_fresh_since(now)
         ).values_list("worker_id", "kind")
     )
     if any((s.worker_id, s.kind) not in idle for s in seats):

@@ -20,21 +20,20 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.models import CLUSTER_TERMINAL
+from clusters.models import CLUSTER_TERMINAL, no_open_attempt_sql
 from gradient import metrics
 
 PASS_LOCK = 0x6772_6164_7265  # advisory lock key of the retention pass
 BATCH = 1_000
 
 # Ordered by id and resumed after the last batch, so each batch reads only rows not yet seen.
-EXPIRED_SQL = """
+EXPIRED_SQL = f"""
 SELECT c.id FROM cluster_job c
 WHERE c.id > %(after)s
   AND c.status = ANY(%(finished)s)
   AND (c.updated_at < %(cutoff)s
        OR NOT EXISTS (SELECT 1 FROM cluster_member m WHERE m.cluster_job_id = c.id))
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND {no_open_attempt_sql("c.id")}
 ORDER BY c.id
 LIMIT %(batch)s
 FOR UPDATE OF c SKIP LOCKED

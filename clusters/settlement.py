@@ -14,12 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
 from clusters.blame import Blame, blame_for, blame_seats
-from clusters.claim import RELEASED_FROM, bound_lock_waits, close_cluster_attempt
+from clusters.claim import (
+    RELEASED_FROM,
+    SET_LOCK_TIMEOUT,
+    bound_lock_waits,
+    close_cluster_attempt,
+    lock_timeout_params,
+)
 from clusters.coordinator import abort_prepare, notify_abort
 from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
 from clusters.verdict import (
@@ -33,11 +38,10 @@ from clusters.verdict import (
 )
 from gradient.errors import NotAllowed
 from gradient.jobs.models import (
-    BUILD_MACHINE,
     BUILD_TERMINAL,
     DISPATCHED_MACHINE,
-    EVALUATION_MACHINE,
     EVALUATION_TERMINAL,
+    JOB_MACHINES,
     BuildStatus,
     DispatchedOutcome,
     EvaluationStatus,
@@ -96,8 +100,8 @@ REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
                        WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
 # bound_lock_waits, for a member's row only: an assignment that is no member's (a single's
 # JobFailed, handled in the same transaction) keeps its lock waits as they were.
-BOUND_LOCK_WAITS_SQL = f"""
-SELECT set_config('lock_timeout', %(lock_timeout)s, true) WHERE {REPORTED_ATTEMPT} IS NOT NULL
+BOUND_MEMBER_LOCK_WAITS_SQL = f"""
+SELECT {SET_LOCK_TIMEOUT} WHERE {REPORTED_ATTEMPT} IS NOT NULL
 """
 # Reports of one attempt queue on its row (resolve_attempt locks it first too).
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
@@ -117,7 +121,6 @@ REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
 # its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
 # cluster: one statement), then in one round trip (a pipeline) every member job's guarded
 # write, by kind, each job to its own target.
-JOB_MACHINES = {JobKind.BUILD: BUILD_MACHINE, JobKind.EVAL: EVALUATION_MACHINE}
 MOVE_SQL = {kind: machine.update_each("jobs") for kind, machine in JOB_MACHINES.items()}
 
 
@@ -265,12 +268,12 @@ def _record_report(
         "kind": kind,
         **output,
         "completed": DispatchedOutcome.COMPLETED,
-        "lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"])),
+        **lock_timeout_params(),
         **DISPATCHED_MACHINE.bind("finish", outcome, at=timezone.now()),
         **MEMBER_STATUSES,
     }
     with connection.wrap_database_errors, connection.connection.pipeline():
-        send(BOUND_LOCK_WAITS_SQL, params)
+        send(BOUND_MEMBER_LOCK_WAITS_SQL, params)
         send(LOCK_ATTEMPT_SQL, params)
         finish = send(FINISH_SQL, params)
         if outcome == DispatchedOutcome.COMPLETED:

@@ -8,20 +8,26 @@ and cluster_job (migration 0005), whoever writes them.
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
-from clusters.models import AttemptOutcome, ClusterStatus
+from clusters.models import (
+    ATTEMPT_IS_OPEN_SQL,
+    BACKING_OFF_SQL,
+    ClusterStatus,
+    backoff_since,
+    no_open_attempt_sql,
+)
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.postgresql.arrays import int_array
-from gradient.wire.keys import member_key_sql
+from gradient.wire.keys import job_key_sql, member_key_sql
 from workers.head import FEATURES_SQL, access_sql, job_table, literals, offerable, window
 from workers.health import quarantined_sql
+from workers.models import idle_slot_fresh_since
 
 
 @dataclass(frozen=True)
@@ -127,11 +133,12 @@ ORDER BY w.id
 def fleet(now, *, idle_only: bool, reserved=()) -> tuple[list[WorkerRow], dict[int, frozenset]]:
     """FLEET_SQL's rows, and the projects of each worker limited to some: plain rows in two
     statements, whatever the fleet's size (not a model instance per worker)."""
-    ttl = timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     sql = FLEET_SQL.format(join="" if idle_only else "LEFT", quarantined=quarantined_sql("w"))
     access: dict[int, set[int]] = {}
     with connection.cursor() as cursor:
-        cursor.execute(sql, {"fresh": now - ttl, "reserved": int_array(reserved), "now": now})
+        cursor.execute(
+            sql, {"fresh": idle_slot_fresh_since(now), "reserved": int_array(reserved), "now": now}
+        )
         rows = [WorkerRow._make(row) for row in cursor.fetchall()]
         limited = [w.pk for w in rows if not w.all_projects]
         if limited:
@@ -170,8 +177,8 @@ FROM cluster_job c
 CROSS JOIN LATERAL (
     SELECT count(*) AS blocking FROM cluster_attempt a
     WHERE a.cluster_job_id = c.id
-      AND (a.finished_at IS NULL
-           OR (a.outcome = '{AttemptOutcome.PREPARE_FAILED}' AND a.finished_at > %(backoff)s))
+      AND ({ATTEMPT_IS_OPEN_SQL}
+           OR ({BACKING_OFF_SQL}))
 ) t
 CROSS JOIN LATERAL (
     SELECT bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}',
@@ -229,7 +236,7 @@ class _Member(NamedTuple):
     project: str
     cache_available: bool
     paths: list[str]
-    job_key: str  # made by PostgreSQL: formatting uuids was half the book's Python time
+    job_key: str  # made by PostgreSQL, which formats the uuids cheaper than Python
 
 
 def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
@@ -237,9 +244,8 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     with its members, in two queries (plain rows, no model instances: a pass may read
     thousands)."""
     now = now or timezone.now()
-    backoff = now - timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
     with connection.cursor() as cursor:
-        cursor.execute(STARTABLE_SQL, {"backoff": backoff, "limit": limit})
+        cursor.execute(STARTABLE_SQL, {"backoff": backoff_since(now), "limit": limit})
         heads = cursor.fetchall()
         if not heads:
             return []
@@ -318,7 +324,7 @@ def _member_row(m: _Member, seat: tuple[str, int]) -> MemberRow:
 # workers.offers' members. (workers.head.access_sql runs one walk per range.)
 MEMBER_WALK = (
     """
-SELECT '{prefix}' || x.id::text AS key, '{kind}'::text AS kind, x.project,
+SELECT {key} AS key, '{kind}'::text AS kind, x.project,
        x.architecture, x.required_features::text[] AS required_features, x.paths,
        c.prioritized, c.created_at, c.id AS cluster, x.role, x.member
 FROM cluster_job c
@@ -336,8 +342,9 @@ CROSS JOIN LATERAL (
     LIMIT {window}
 ) x
 WHERE c.waiting_since IS NOT NULL {project_of_cluster}
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND """
+    + no_open_attempt_sql("c.id")
+    + """
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, x.role, x.member
 LIMIT {window}
 """
@@ -346,7 +353,7 @@ LIMIT {window}
 # idx-cluster_member-pin.
 PINNED_WALK = (
     """
-SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, p.name AS project,
+SELECT {key} AS key, '{kind}'::text AS kind, p.name AS project,
        j.architecture, j.required_features::text[] AS required_features, j.paths,
        c.prioritized, c.created_at, c.id AS cluster, m.role, m.id AS member
 FROM cluster_member m
@@ -354,8 +361,9 @@ JOIN cluster_job c ON c.id = m.cluster_job_id
 JOIN {table} j ON j.id = m.{member_column}
 JOIN project p ON p.id = j.project_id
 WHERE m.pin = %(name)s AND c.waiting_since IS NOT NULL {project_of_cluster}
-  AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                  WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL)
+  AND """
+    + no_open_attempt_sql("c.id")
+    + """
   AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
     + FEATURES_SQL
     + """
@@ -380,12 +388,11 @@ def member_head_parts(worker, kinds=JobKind.values) -> list[str]:
     for how in (offerable(worker, kind) for kind in kinds):
         if how is None or how.fetch_only:
             continue
-        table, prefix = job_table(how.kind)
         column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
-        for template in (MEMBER_WALK, PINNED_WALK):
+        for template, job in ((MEMBER_WALK, "x"), (PINNED_WALK, "j")):
             walk = template.format(
-                table=table,
-                prefix=prefix,
+                table=job_table(how.kind),
+                key=job_key_sql(how.kind, f"{job}.id"),
                 kind=how.kind,
                 member_column=column,
                 queued=literals(how.statuses[:1]),  # a member starts from Queued only

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from clusters.models import ClusterStatus
+from clusters.models import ClusterStatus, no_open_attempt_sql
 from gradient.celery import app
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,7 @@ def _client():
 # queue behind it.
 WAITING_SQL = f"""
 SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEUED}'
-               AND NOT EXISTS (SELECT 1 FROM cluster_attempt a
-                               WHERE a.cluster_job_id = c.id AND a.finished_at IS NULL))
+               AND {no_open_attempt_sql("c.id")})
     OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)
 """
 

@@ -31,7 +31,6 @@ a counter or histogram over the rows never goes down.
 import hmac
 import logging
 import time
-from datetime import timedelta
 
 import redis
 from django.conf import settings
@@ -259,7 +258,7 @@ def counted(queryset, field: str, labels) -> dict:
 def database_metrics():
     from clusters.models import ClusterJob, ClusterStatus
     from gradient.jobs.models import JobKind
-    from workers.models import IdleSlot, Worker
+    from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
     clusters = GaugeMetricFamily("gradient_clusters", "Cluster jobs by status.", labels=["status"])
     by_status = dict.fromkeys(ClusterStatus.values, 0)
@@ -304,13 +303,12 @@ def database_metrics():
         prepare.add_metric([result], *_with_tally(figures, result, tally, PREPARE))
     yield prepare
 
-    since = timezone.now() - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
     idle = GaugeMetricFamily(
         "gradient_idle_slots",
         "Idle slots recorded within GRADIENT_IDLE_SLOT_TTL_SECS, by kind.",
         labels=["kind"],
     )
-    slots = IdleSlot.objects.filter(recorded_at__gte=since)
+    slots = IdleSlot.objects.filter(recorded_at__gte=idle_slot_fresh_since(timezone.now()))
     for kind, n in counted(slots, "kind", JobKind.values).items():
         idle.add_metric([kind], n)
     yield idle

@@ -324,8 +324,10 @@ async def test_end_leftovers_ends_a_whole_group_whose_leader_lives_even_unmarked
     # `env -i`: a member without the job's marker, found through its living leader's group.
     job = await run(directory, "env -i sleep 60 & echo $! > unmarked; sleep 60")
     strays.append(job.pid)
-    await eventually(lambda: (directory / "unmarked").exists())
-    unmarked = int((directory / "unmarked").read_text())
+    pid_file = directory / "unmarked"
+    # The shell creates the file before echo writes the pid and its newline.
+    await eventually(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"))
+    unmarked = int(pid_file.read_text())
     strays.append(unmarked)
 
     lines = end_leftovers(tmp_path / "workdir")

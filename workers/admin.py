@@ -1,8 +1,5 @@
 """Workers: `create_worker` creates them (showing the token once); the hash is never shown."""
 
-from datetime import timedelta
-
-from django.conf import settings
 from django.contrib import admin
 from django.contrib.admin import helpers
 from django.contrib.postgres.expressions import ArraySubquery
@@ -15,7 +12,7 @@ from django.utils.html import format_html, format_html_join
 
 from gradient.jobs.models import DispatchedJob
 from workers import health
-from workers.models import IdleSlot, Worker
+from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
 EDITABLE = ["revoked_at", "all_projects", "projects"]
 # Open assignments named in the list; the rest are counted.
@@ -104,7 +101,7 @@ class WorkerAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         # What the list shows of each worker, in the list's one query: the kinds of its live
         # idle slots (the planner ignores older ones) and the job keys it runs now.
-        fresh = timezone.now() - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+        fresh = idle_slot_fresh_since(timezone.now())
         slots = IdleSlot.objects.filter(worker=OuterRef("pk"), recorded_at__gte=fresh)
         running = DispatchedJob.objects.filter(worker=OuterRef("pk"), finished_at__isnull=True)
         return (

@@ -8,25 +8,22 @@ of free capacity.
 import functools
 import uuid
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 from pydantic_core import to_json
 
 from gradient.jobs.claim import Assignment, ClaimGate, claim_params, claim_sql
 from gradient.jobs.models import (
-    BUILD_MACHINE,
-    EVALUATION_MACHINE,
+    JOB_MACHINES,
     BuildStatus,
     EvaluationStatus,
     JobKind,
 )
-from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.work import NO_WORK
 from gradient.postgresql.pipeline import send
+from gradient.wire.keys import job_key_sql
 from gradient.wire.protocol import AssignJob, Rendered
 from workers.head import (
     HeadJob,
@@ -37,9 +34,19 @@ from workers.head import (
     read_singles,
     window,
 )
-from workers.models import IdleSlot, Worker
+from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
 HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
+
+
+def has_room_sql(kind: str) -> str:
+    """SQL: the worker row w has room for one more job of `kind` (an SQL text expression): not
+    draining, and fewer open assignments of the kind (held members included) than its slots."""
+    return f"""NOT w.draining AND (SELECT count(*) FROM dispatched_job d
+                   WHERE d.worker_id = w.id AND d.kind = {kind} AND d.finished_at IS NULL)
+                  < CASE WHEN {kind} = '{JobKind.BUILD}' THEN w.max_concurrent_builds
+                         ELSE w.max_concurrent_evals END"""
+
 
 # The single path's claim, in one statement: the best of the ranked jobs that no other claim
 # is taking right now (a claimer locks its job row, and the others pass over it instead of
@@ -58,17 +65,14 @@ WITH pick AS (
     LIMIT 1
     FOR NO KEY UPDATE {skip}
 ), room AS (
-    SELECT w.draining OR (SELECT count(*) FROM dispatched_job d WHERE d.worker_id = w.id
-                              AND d.kind = '{kind}' AND d.finished_at IS NULL) >= w.{slots}
-               AS no_room,
+    SELECT NOT ({has_room}) AS no_room,
            EXISTS (SELECT 1 FROM reservation_seat s
                    JOIN cluster_reservation r ON r.id = s.reservation_id
                    WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
                AS reserved
     FROM worker w WHERE w.id = %(worker)s
 ), claimed AS ({claim}), assigned AS (
-    UPDATE {table} j SET status = CASE j.status {targets} END
-    FROM pick, claimed WHERE j.id = pick.id AND {guard}
+{assigned}
 ), unidle AS (
     DELETE FROM idle_slot s
     WHERE s.worker_id = %(worker)s AND s.kind = '{kind}' AND EXISTS (SELECT 1 FROM claimed)
@@ -83,7 +87,7 @@ SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.r
        (SELECT work FROM claimed)
 FROM room
 """
-PICKED = """t.job_id = '{prefix}' || (SELECT id FROM pick)::text
+PICKED = """t.job_id = {picked}
   AND NOT EXISTS (SELECT 1 FROM room WHERE no_room OR reserved)"""
 
 
@@ -102,38 +106,29 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 
 
 @functools.cache
-def _claim_sql(kind: str, statuses: tuple[str, ...], steps: tuple, skip: bool) -> str:
-    table, prefix = job_table(kind)
-    machine = BUILD_MACHINE if kind == JobKind.BUILD else EVALUATION_MACHINE
-    moves = dict(zip(statuses, steps, strict=True))
+def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool) -> str:
     return SINGLE_CLAIM_SQL.format(
-        table=table,
+        table=job_table(kind),
         kind=kind,
         statuses=literals(statuses),
-        slots="max_concurrent_builds" if kind == JobKind.BUILD else "max_concurrent_evals",
-        claim=claim_sql(PICKED.format(prefix=prefix)),
-        targets=" ".join(f"WHEN '{s}' THEN '{_assigned(kind, s, st)}'" for s, st in moves.items()),
-        guard=machine.guard("j", "assigned_from"),
+        has_room=has_room_sql(f"'{kind}'"),
+        claim=claim_sql(PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))),
+        assigned=JOB_MACHINES[kind].update(
+            "assigned", "id = (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)"
+        ),
         skip="SKIP LOCKED" if skip else "",
     )
 
 
-def _assigned(kind: str, status: str, steps: tuple[str, ...]) -> str:
-    """The Assigned transition of a job claimed from `status` for these steps."""
-    if kind == JobKind.BUILD:
-        return BuildStatus.BUILDING
-    fetch = list(steps) == FETCH_STEPS
-    return EvaluationStatus.FETCHING if fetch else EvaluationStatus.EVALUATING_FLAKE
-
-
-def _assigned_from(how: Offerable) -> list[str]:
-    """The sources the machine allows for the Assigned transitions of this kind's claims."""
-    machine = BUILD_MACHINE if how.kind == JobKind.BUILD else EVALUATION_MACHINE
-    allowed = set()
-    for status in how.statuses:
-        to = _assigned(how.kind, status, tuple(how.steps_for[status]))
-        allowed |= machine.allowed(to, {status})
-    return sorted(allowed)
+def _assigned(how: Offerable) -> dict:
+    """The parameters of the Assigned transition of a job claimed this way: a build goes
+    Building; an evaluation Fetching for a fetch-only worker, else EvaluatingFlake (from Queued
+    or Fetching alike)."""
+    if how.kind == JobKind.BUILD:
+        to = BuildStatus.BUILDING
+    else:
+        to = EvaluationStatus.FETCHING if how.fetch_only else EvaluationStatus.EVALUATING_FLAKE
+    return JOB_MACHINES[how.kind].bind("assigned", to, how.statuses)
 
 
 class Claimed(NamedTuple):
@@ -151,19 +146,17 @@ NOTHING = Claimed(None, None, [], False, False)
 def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
     """Claim the first of `jobs` (ranked) that can be claimed."""
     by_id = {job.id: job for job in jobs}
-    statuses = how.statuses
-    steps = tuple(tuple(how.steps_for[s]) for s in statuses)
     skip = True
     while by_id:
         rows = {job.key: _assignment(worker, how, job) for job in by_id.values()}
         with connection.cursor() as cursor:
             cursor.execute(
-                _claim_sql(how.kind, statuses, steps, skip),
+                _claim_sql(how.kind, how.statuses, skip),
                 {
                     "ids": list(by_id),
                     "worker": worker.pk,
                     "first": first.id,
-                    "assigned_from": _assigned_from(how),
+                    **_assigned(how),
                     **claim_params(list(rows.values())),
                 },
             )
@@ -200,12 +193,9 @@ def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
 LOCK_IDLE_SQL = """
 SELECT 1 FROM idle_slot WHERE worker_id = %(worker)s AND kind = %(kind)s::text FOR UPDATE
 """
-RECORD_IDLE_SQL = """
+RECORD_IDLE_SQL = f"""
 WITH room AS (
-    SELECT w.id, NOT w.draining AND (SELECT count(*) FROM dispatched_job d
-                   WHERE d.worker_id = w.id AND d.kind = %(kind)s::text AND d.finished_at IS NULL)
-                  < CASE WHEN %(kind)s::text = 'build' THEN w.max_concurrent_builds
-                         ELSE w.max_concurrent_evals END AS free
+    SELECT w.id, {has_room_sql("%(kind)s::text")} AS free
     FROM worker w WHERE w.id = %(worker)s
 ), kept AS (
     INSERT INTO idle_slot (worker_id, kind, recorded_at)
@@ -239,7 +229,7 @@ def record_idle(worker_id: int, kind: str, resend: bool = False) -> bool:
             cursor.execute(REFRESH_IDLE_SQL, params)
             replaced = cursor.fetchone()
         if replaced is not None:
-            return replaced[0] < now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+            return replaced[0] < idle_slot_fresh_since(now)
     # The atomic block opens the connection before the pipeline is asked of it.
     with transaction.atomic(), connection.wrap_database_errors, connection.connection.pipeline():
         send(LOCK_IDLE_SQL, params)
@@ -319,7 +309,7 @@ def assign_job(
 ) -> RenderedAssign:
     """The AssignJob of a claimed job, a single's or (with its hold, a ClusterHold's fields) a
     member's, rendered from the database's own rows by pydantic's serializer without building
-    the models: a large pass frames thousands, and building them took two thirds of that.
+    the models: a large pass frames thousands, and the models would be most of its cost.
     `work` is what the job runs as its claim read it (CLAIMED_WORK); None for none."""
     job = str(job_id)
     work = work or NO_WORK

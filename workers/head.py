@@ -18,7 +18,7 @@ from django.db import connection
 
 from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
 from gradient.jobs.steps import BUILD_STEPS, FETCH_STEPS, FOLLOW_UP_STEPS, FULL_STEPS
-from gradient.wire.keys import PREFIX
+from gradient.wire.keys import job_key_sql
 from workers.models import Worker
 
 
@@ -57,9 +57,8 @@ def offerable(worker: Worker, kind: str) -> Offerable | None:
     return None
 
 
-def job_table(kind: str) -> tuple[str, str]:
-    """(table, job key prefix) of a kind."""
-    return ("derivation_build" if kind == JobKind.BUILD else "evaluation"), PREFIX[kind]
+def job_table(kind: str) -> str:
+    return "derivation_build" if kind == JobKind.BUILD else "evaluation"
 
 
 def literals(values) -> str:
@@ -69,9 +68,9 @@ def literals(values) -> str:
 
 
 # What the worker's platform allows of a job row j beyond its architecture. PostgreSQL guesses
-# that an array containment holds for one row in 200 (it keeps no element statistics while jobs
-# need no feature), and would then sort the whole queue rather than walk the index to the
-# window; wrapped in coalesce, the test counts as one in two.
+# that an array containment rarely holds (it keeps no element statistics while jobs need no
+# feature), and would then sort the whole queue rather than walk the index to the window;
+# wrapped in coalesce, the test counts as an even chance.
 FEATURES_SQL = "coalesce(j.required_features <@ %(features)s, false)"
 
 # The condition of the heads' indexes over every project (gradient.jobs.models.EVERY_PROJECT),
@@ -82,11 +81,11 @@ EVERY_PROJECT_SQL = "j.created_at IS NOT NULL"
 # projects, per project of its), one index range in the single path's order up to the window,
 # so that the jobs of other architectures and projects are never read; then the first window
 # of them all. ({walk} is one range's rows.) The architectures are a VALUES list of as many
-# parameters as the worker has: unnest of an array parameter counts as a hundred rows in a
-# prepared statement's generic plan, which then looks too dear to use, and PostgreSQL planned
-# the offer afresh at every call (8 ms, four times its run). The walk over every project
-# states the condition of its index alone (`every_project`), so a walk of one project reads
-# its project's index.
+# parameters as the worker has: an unnested array parameter counts as many rows in a prepared
+# statement's generic plan, which then looks too dear to use, and PostgreSQL would plan the
+# offer afresh at every call (docs/design.md, "The statements stay bounded"). The walk over
+# every project states the condition of its index alone (`every_project`), so a walk of one
+# project reads its project's index.
 ACCESS_SQL = """
 SELECT h.* FROM (
     SELECT r.* FROM {architectures} AS a(architecture)
@@ -106,7 +105,7 @@ LIMIT {window}
 # startable, no member of an active cluster, no open assignment.
 SINGLES_WALK = (
     """
-SELECT '{prefix}' || j.id::text AS key, '{kind}'::text AS kind, j.id, j.status,
+SELECT {key} AS key, '{kind}'::text AS kind, j.id, j.status,
        {substitute} AS substitute, j.project_id, p.name AS project, j.architecture,
        j.required_features, j.paths, j.prioritized, j.passed_over, j.created_at
 FROM {table} j
@@ -116,7 +115,7 @@ WHERE j.architecture = a.architecture {project}
     + FEATURES_SQL
     + """
   AND NOT EXISTS (SELECT 1 FROM dispatched_job d
-                  WHERE d.job_id = '{prefix}' || j.id::text AND d.finished_at IS NULL)
+                  WHERE d.job_id = {key} AND d.finished_at IS NULL)
 ORDER BY j.prioritized DESC, j.created_at ASC
 LIMIT {window}
 """
@@ -206,10 +205,9 @@ def singles_sql(how: Offerable, architectures: int) -> str:
 # expects to read a tenth of the index and keeps planning every call afresh instead.
 @functools.cache
 def _singles_sql(kind: str, statuses: tuple[str, ...], window: int, architectures: int) -> str:
-    table, prefix = job_table(kind)
     walk = SINGLES_WALK.format(
-        table=table,
-        prefix=prefix,
+        table=job_table(kind),
+        key=job_key_sql(kind, "j.id"),
         kind=kind,
         statuses=literals(statuses),
         substitute="j.cache_available" if kind == JobKind.BUILD else "false",

@@ -3,7 +3,9 @@
 import hashlib
 import hmac
 import secrets
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
@@ -76,7 +78,7 @@ class Worker(models.Model):
 
 class IdleSlot(models.Model):
     """An empty answer to RequestJob: the worker has a free slot of this kind. The planner's
-    only view of free capacity; it trusts a slot for GRADIENT_IDLE_SLOT_TTL_SECS."""
+    only view of free capacity; it trusts a slot while fresh (idle_slot_fresh_since)."""
 
     worker = models.ForeignKey(
         Worker,
@@ -98,13 +100,19 @@ class IdleSlot(models.Model):
         return f"{self.worker_id}/{self.kind}"
 
 
+def idle_slot_fresh_since(now: datetime) -> datetime:
+    """The idle slot's still-fresh cutoff: a slot recorded at or after it is live, an older
+    one stale (GRADIENT_IDLE_SLOT_TTL_SECS)."""
+    return now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
+
+
 class JobScore(models.Model):
     """A worker's answer for a job it was offered: what it would have to fetch (written by
     its JobScores; offered_at is then the answer's time too). A pair never scored has no row
     and counts as the most expensive seat."""
 
     # The key is the pair: no id column, sequence or index of its own to write for each of
-    # the tens of thousands of rows a busy fleet's answers add a minute.
+    # the many rows a busy fleet's answers add.
     pk = models.CompositePrimaryKey("worker", "job_id")
     worker = models.ForeignKey(
         Worker,

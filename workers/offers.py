@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
+from gradient.wire.keys import key_kind_sql
 from gradient.wire.protocol import JobOffer, OfferedJob, Rendered
 from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
@@ -38,13 +39,16 @@ WHERE false
 # member rows of jobs that left the head are deleted, the new ones written. A row written in
 # the last SETTLE stays: the dispatch pass offers a cluster before it marks it waiting, and the
 # answer to that offer must outlive the worker's own offers in between.
-OFFER_SQL = """
+OFFER_SQL = (
+    """
 WITH singles AS ({singles}),
 members AS ({members}),
 dropped AS (
     DELETE FROM job_score s
     WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM members))
-      AND split_part(s.job_id, ':', 1) = ANY(%(kinds)s::text[])
+      AND """
+    + key_kind_sql("s.job_id")
+    + """ = ANY(%(kinds)s::text[])
       AND coalesce(s.scored_at, s.offered_at) < %(settled)s
 ),
 fresh AS (
@@ -63,6 +67,7 @@ SELECT (SELECT coalesce(json_agg(json_build_array(
             'paths', m.paths)), '[]')
         FROM members m JOIN fresh f ON f.job_id = m.key)::text
 """
+)
 
 
 class RenderedOffer(Rendered):

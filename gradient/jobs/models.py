@@ -228,6 +228,9 @@ class JobKind(models.TextChoices):
     BUILD = "build"
 
 
+JOB_MACHINES = {JobKind.BUILD: BUILD_MACHINE, JobKind.EVAL: EVALUATION_MACHINE}
+
+
 class DispatchedOutcome(models.TextChoices):
     COMPLETED = "Completed"
     FAILED = "Failed"

@@ -19,9 +19,19 @@ def member_key(evaluation_id, derivation_build_id) -> str:
     return job_key("build", derivation_build_id)
 
 
+def job_key_sql(kind: str, job_id: str) -> str:
+    """job_key as an SQL expression: the key of the job of `kind` whose id is the SQL `job_id`."""
+    return f"'{PREFIX[kind]}' || {job_id}::text"
+
+
 def member_key_sql(evaluation: str, derivation_build: str) -> str:
     """member_key as an SQL expression over a row's two job columns."""
     return (
-        f"CASE WHEN {evaluation} IS NOT NULL THEN '{PREFIX['eval']}' || {evaluation}::text"
-        f" ELSE '{PREFIX['build']}' || {derivation_build}::text END"
+        f"CASE WHEN {evaluation} IS NOT NULL THEN {job_key_sql('eval', evaluation)}"
+        f" ELSE {job_key_sql('build', derivation_build)} END"
     )
+
+
+def key_kind_sql(key: str) -> str:
+    """The kind of a job key, as an SQL expression over the SQL `key`."""
+    return f"split_part({key}, ':', 1)"
