@@ -87,7 +87,7 @@ class Outcomes:
 
 # Head starts, cycled through the rounds: positive delays the second call, negative the first,
 # so that either side of a race gets to win some rounds on a machine that favours one.
-SKEWS = (0.0, 0.01, -0.01, 0.03, -0.03, 0.08, -0.08)
+SKEWS = (0.0, 0.01, -0.01, 0.03, -0.03, 0.1, -0.1, 0.25, -0.25)
 
 
 def skewed(first, second, i: int):

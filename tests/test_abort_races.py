@@ -185,7 +185,7 @@ def test_an_abort_racing_a_claim_leaves_the_cluster_aborted_and_nothing_open():
         IdleSlot.objects.all().delete()
         idle_workers(2)
 
-        def late_abort(c=cluster, delay=(i % 12) * 0.02):
+        def late_abort(c=cluster, delay=(i % 12) * 0.04):
             # The pass plans before it claims: a growing head start lets the claim win too.
             time.sleep(delay)
             return abort_cluster(c.pk)

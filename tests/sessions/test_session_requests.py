@@ -89,7 +89,9 @@ async def test_a_request_with_new_offers_is_answered_by_their_scores(worker_sess
     await session.send({"type": "RequestJob", "kind": "build"})
     offer = await session.recv_type("JobOffer")
     assert {j["job_id"] for j in offer["jobs"]} == {costly.job_key, cheap.job_key}
-    assert await session.silent()  # the answer waits for the scores
+    # The answer waits for the scores: nothing yet, and the job it assigns is the one the
+    # scores sent next choose.
+    assert await session.silent(0)
     scores = [
         {"job_id": costly.job_key, "missing_count": 9, "missing_nar_size": 900},
         {"job_id": cheap.job_key, "missing_count": 1, "missing_nar_size": 10},
@@ -108,10 +110,12 @@ async def test_a_request_whose_offer_goes_unanswered_is_answered_after_the_wait(
     await session.hello()
     assert await session.silent()  # its first offer: an empty head
     build = await q(lambda: BuildFactory())
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
     await session.send({"type": "RequestJob", "kind": "build"})
     await session.recv_type("JobOffer")
-    assert await session.silent(0.15)
     assigned = await session.recv_type("AssignJob", timeout=3)
+    assert loop.time() - asked >= 0.3  # not before the wait for the scores ran out
     assert assigned["job_id"] == build.job_key
     await session.close()
 
@@ -161,10 +165,12 @@ async def test_an_empty_answer_records_an_idle_slot_and_an_assignment_clears_it(
     await session.send({"type": "RequestJob", "kind": "build"})
     await session.recv_type("AssignJob")
     assert not await q(lambda: IdleSlot.objects.exists())
-    # Now full (one build slot): another request records no idle slot.
+    # Now full (one build slot): another request records no idle slot. A request for an
+    # eval after it (nothing to do: an idle slot) is answered once it was.
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
-    assert not await q(lambda: IdleSlot.objects.exists())
+    await session.send({"type": "RequestJob", "kind": "eval"})
+    assert await idle_slots(["eval"])
+    assert await session.silent(0)
     await session.close()
 
 
