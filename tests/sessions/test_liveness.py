@@ -101,7 +101,9 @@ async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_t
 
     def slot_recorded():
         return q(
-            lambda: IdleSlot.objects.filter(worker=worker).values_list("recorded_at", flat=True)
+            lambda: list(
+                IdleSlot.objects.filter(worker=worker).values_list("recorded_at", flat=True)
+            )
         )
 
     async def touched(before):
@@ -123,12 +125,12 @@ async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_t
     assert await seen() == attached
     assert await session.silent(0)
     await revoke(None)
-    await asyncio.sleep(1.6)  # the touch period passes
+    await asyncio.sleep(liveness.touch_every() + 0.1)  # a touch period since the attach
     await touched(slot)
     assert await seen() > attached
     assert await session.silent(0)
     await revoke(timezone.now())
-    await asyncio.sleep(2.1)  # the touch period passes
+    await asyncio.sleep(liveness.touch_every() + 0.1)  # a touch period since the last write
     await session.send({"type": "Draining"})
     assert await session.ws.receive_output(3) == {"type": "websocket.close", "code": 4403}
     await session.close()
