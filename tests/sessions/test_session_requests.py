@@ -279,7 +279,8 @@ async def test_a_member_evaluation_is_never_split(worker_session):
     await fetcher.connect()
     await fetcher.hello(eval=False, fetch=True)
     await fetcher.send({"type": "RequestJob", "kind": "eval"})
-    assert await fetcher.silent()  # neither offered nor assigned
+    assert await idle_slots(["eval"])  # answered with nothing
+    assert await fetcher.silent(0)  # neither offered nor assigned
     assert not await q(lambda: DispatchedJob.objects.exists())
     await fetcher.close()
 
