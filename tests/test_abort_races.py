@@ -1,5 +1,5 @@
 """Aborting a cluster while something else decides it, on real concurrent connections: one
-consistent verdict whoever wins."""
+consistent verdict whoever wins, and each way a race can go is seen to go that way."""
 
 import time
 
@@ -20,7 +20,7 @@ from tests.aborting import (
     worker_of,
 )
 from tests.clusterflow import Inbox, idle_workers
-from tests.concurrency import race
+from tests.concurrency import Outcomes, race, skewed
 from workers.models import IdleSlot
 
 pytestmark = pytest.mark.usefixtures("memory_layer")
@@ -96,17 +96,23 @@ def test_two_simultaneous_aborts_abort_once_and_the_other_is_refused(stage):
 
 @pytest.mark.django_db(transaction=True)
 def test_an_abort_racing_the_primarys_deciding_report_leaves_one_consistent_verdict():
-    for _ in range(15):
+    outcomes = Outcomes("abort decided", "report decided")
+    for i in outcomes.rounds(at_least=15):
         cluster, rows, _, _ = running_cluster()
         aborted, verdict = race(
-            outcome_of(lambda c=cluster: abort_cluster(c.pk)),
-            outcome_of(lambda r=rows: report(r["eval"], "Completed")),
+            *skewed(
+                outcome_of(lambda c=cluster: abort_cluster(c.pk)),
+                outcome_of(lambda r=rows: report(r["eval"], "Completed")),
+                i,
+            )
         )
         status, evaluation, build = statuses(cluster)
         if status == ClusterStatus.ABORTED:  # the abort decided; the report came late
+            outcomes.saw("abort decided")
             assert (aborted, verdict) == ("Aborted", None)
             assert (evaluation, build) == (EvaluationStatus.ABORTED, BuildStatus.ABORTED)
         else:  # the report decided Complete; the abort found the cluster finished
+            outcomes.saw("report decided")
             assert (aborted, verdict) == (f"cluster {cluster.pk} is already Completed", "Complete")
             assert (status, evaluation, build) == (
                 ClusterStatus.COMPLETED,
@@ -119,16 +125,20 @@ def test_an_abort_racing_the_primarys_deciding_report_leaves_one_consistent_verd
 
 @pytest.mark.django_db(transaction=True)
 def test_an_abort_racing_a_failing_report_with_a_retry_left_still_aborts():
-    for _ in range(15):
+    # Either the abort decided (the report came late) or the report decided Retry and the
+    # abort then ended the queued cluster: it never stays queued.
+    outcomes = Outcomes("abort decided", "report decided Retry")
+    for i in outcomes.rounds(at_least=15):
         cluster, rows, _, _ = running_cluster(retry_budget=1)
         aborted, verdict = race(
-            outcome_of(lambda c=cluster: abort_cluster(c.pk)),
-            outcome_of(lambda r=rows: report(r["build"], "Failed", "transient")),
+            *skewed(
+                outcome_of(lambda c=cluster: abort_cluster(c.pk)),
+                outcome_of(lambda r=rows: report(r["build"], "Failed", "transient")),
+                i,
+            )
         )
-        # Either the abort decided (the report came late) or the report decided Retry and
-        # the abort then ended the queued cluster: it never stays queued.
         assert aborted == "Aborted"
-        assert verdict in (None, "Retry")
+        outcomes.saw({None: "abort decided", "Retry": "report decided Retry"}[verdict])
         assert statuses(cluster) == (
             ClusterStatus.ABORTED,
             EvaluationStatus.ABORTED,
@@ -139,12 +149,16 @@ def test_an_abort_racing_a_failing_report_with_a_retry_left_still_aborts():
 
 @pytest.mark.django_db(transaction=True)
 def test_an_abort_racing_the_last_acceptance_aborts_whether_or_not_the_attempt_started():
-    for _ in range(15):
+    outcomes = Outcomes("started, then aborted", "aborted before it started")
+    for i in outcomes.rounds(at_least=15):
         cluster, rows, inbox, workers = preparing_cluster(accepted=["eval"])
         build = rows["build"]
         aborted, _started = race(
-            outcome_of(lambda c=cluster: abort_cluster(c.pk)),
-            outcome_of(lambda r=build: coordinator.accept_assignment(r.worker_id, r.job_id)),
+            *skewed(
+                outcome_of(lambda c=cluster: abort_cluster(c.pk)),
+                outcome_of(lambda r=build: coordinator.accept_assignment(r.worker_id, r.job_id)),
+                i,
+            )
         )
         assert aborted == "Aborted"
         assert statuses(cluster) == (
@@ -159,16 +173,19 @@ def test_an_abort_racing_the_last_acceptance_aborts_whether_or_not_the_attempt_s
         # A start that won is followed by the abort of running members.
         assert ("AbortJob" in types) == (attempt.started_at is not None)
         assert "AbortCluster" in types
+        started = attempt.started_at is not None
+        outcomes.saw("started, then aborted" if started else "aborted before it started")
 
 
 @pytest.mark.django_db(transaction=True)
 def test_an_abort_racing_a_claim_leaves_the_cluster_aborted_and_nothing_open():
-    for i in range(12):
+    outcomes = Outcomes("claimed, then aborted", "aborted before the claim")
+    for i in outcomes.rounds(at_least=12):
         cluster = waiting_cluster()
         IdleSlot.objects.all().delete()
         idle_workers(2)
 
-        def late_abort(c=cluster, delay=i * 0.02):
+        def late_abort(c=cluster, delay=(i % 12) * 0.04):
             # The pass plans before it claims: a growing head start lets the claim win too.
             time.sleep(delay)
             return abort_cluster(c.pk)
@@ -182,5 +199,9 @@ def test_an_abort_racing_a_claim_leaves_the_cluster_aborted_and_nothing_open():
         )
         assert_consistent(cluster)
         if result.claimed:  # the abort closed the claimed attempt before it started
+            outcomes.saw("claimed, then aborted")
             attempt = ClusterAttempt.objects.get(cluster_job=cluster)
             assert (attempt.outcome, attempt.started_at) == (AttemptOutcome.ABORTED, None)
+        else:
+            outcomes.saw("aborted before the claim")
+            assert not ClusterAttempt.objects.filter(cluster_job=cluster).exists()

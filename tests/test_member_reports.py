@@ -20,7 +20,7 @@ from sessions.connection import detach
 from sessions.liveness import disconnect_silent_workers
 from tests.aborting import report, statuses
 from tests.clusterflow import Inbox, idle_workers
-from tests.concurrency import frozen_connection, race
+from tests.concurrency import Outcomes, frozen_connection, race, skewed
 from tests.factories import (
     BuildMemberFactory,
     ClusterFactory,
@@ -225,16 +225,18 @@ def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_once():
-    for _ in range(100):
+    outcomes = Outcomes("the sweep decided", "the report decided")
+    for i in outcomes.rounds(at_least=100, at_most=200):
         cluster, rows, _, _ = started_cluster(retry_budget=1)
         attempt = rows["eval"].cluster_attempt_id
         evaluation = cluster.members.get(role="server").evaluation_id
         assert advance_evaluation(evaluation, EvaluationStatus.ABORTED)
         swept, reported = race(
-            resolve_orphaned_attempts, lambda r=rows: report(r["build"], "Completed")
+            *skewed(resolve_orphaned_attempts, lambda r=rows: report(r["build"], "Completed"), i)
         )
         # Whichever came first decided Abort; the other found it decided.
         assert (swept == [attempt]) != (reported == "Abort"), (swept, reported)
+        outcomes.saw("the sweep decided" if swept == [attempt] else "the report decided")
         cluster_status, _, build = statuses(cluster)
         assert cluster_status == ClusterStatus.ABORTED
         assert ClusterAttempt.objects.get(pk=attempt).outcome == AttemptOutcome.ABORTED

@@ -1,7 +1,7 @@
 """Unpacking the scores as PostgreSQL sends them: (worker id, size) pairs as big-endian int64."""
 
 import struct
-import time
+import threading
 import uuid
 
 import numpy as np
@@ -16,6 +16,32 @@ def packed(*pairs):
 
 def plain(lists):
     return [(ids.tolist(), sizes.tolist()) for ids, sizes in lists]
+
+
+class Parking(threading.Condition):
+    """The reader's condition, telling when the reader waits on it (Condition.wait_for calls
+    wait): parked, it reads nothing more until the planner asks, so what it has read by then
+    is all it reads ahead."""
+
+    def __init__(self):
+        super().__init__()
+        self.parked = threading.Event()
+
+    def wait(self, timeout=None):
+        self.parked.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.parked.clear()
+
+
+def watched(scores: CheapestScores) -> Parking:
+    scores._progress = parking = Parking()
+    return parking
+
+
+def read(scores: CheapestScores) -> list[bool]:
+    return [chunk.is_set() for chunk in scores._read]
 
 
 def test_lists_in_the_index_order_come_back_as_they_are_each_its_own():
@@ -41,19 +67,20 @@ def test_the_reader_keeps_a_few_chunks_ahead_of_the_planner_and_no_further():
     worker = WorkerFactory()
     keys = [f"eval:{uuid.uuid4()}" for _ in range(FIRST_CHUNK + 5 * SCORE_CHUNK)]
     answered_scores((worker, key, size) for size, key in enumerate(keys))
-    scores = CheapestScores(keys).start()
+    scores = CheapestScores(keys)
+    parking = watched(scores)
+    scores.start()
     try:
-        chunks = scores._read
-        assert len(chunks) == 6
-        assert chunks[READ_AHEAD - 1].wait(10)
-        time.sleep(0.3)
-        assert not any(chunk.is_set() for chunk in chunks[READ_AHEAD:])  # nobody asked yet
+        assert len(scores._read) == 6
+        assert parking.parked.wait(10)
+        assert read(scores) == [True] * READ_AHEAD + [False] * 4  # nobody asked yet
         # The planner reaches the third chunk: the reader goes on up to two beyond it.
         key = keys[FIRST_CHUNK + SCORE_CHUNK + 1]
         assert scores[key][1].tolist() == [keys.index(key)]
-        assert chunks[2 + READ_AHEAD].wait(10)
-        time.sleep(0.3)
-        assert not chunks[-1].is_set()
+        assert scores._read[2 + READ_AHEAD].wait(10)
+        # Woken past its first stop, so parked again after reading the third chunk's two.
+        assert parking.parked.wait(10)
+        assert read(scores) == [True] * 5 + [False]
         assert scores[keys[-1]][1].tolist() == [len(keys) - 1]  # and the rest on demand
     finally:
         scores.finish()
@@ -99,7 +126,9 @@ def test_the_planner_seats_the_first_cluster_before_the_last_chunk_is_read():
     ]
     keys = [c.members[0].key for c in clusters]
     answered_scores((worker, key, 7) for key in keys)
-    scores = CheapestScores(keys).start()
+    scores = CheapestScores(keys)
+    parking = watched(scores)
+    scores.start()
     try:
         snap = planner.Snapshot(
             clusters=tuple(clusters),
@@ -110,9 +139,11 @@ def test_the_planner_seats_the_first_cluster_before_the_last_chunk_is_read():
         )
         first = next(planner.placements(snap))
         assert (first.cluster_id, first.seats[0].missing_nar_size) == (0, 7)
-        time.sleep(0.3)
-        # Only the chunks read ahead of the first: the rest waits for the planner to ask.
-        assert not scores._read[-1].is_set()
+        # Only the chunks read ahead of the first: the rest waits for the planner to ask. The
+        # reader read past its first stop once asked, then parked again.
+        assert scores._read[READ_AHEAD].wait(10)
+        assert parking.parked.wait(10)
+        assert read(scores) == [True] * (1 + READ_AHEAD) + [False] * 3
     finally:
         scores.finish()
 

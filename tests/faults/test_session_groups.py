@@ -3,6 +3,7 @@ stayed connected was no longer in its worker's group (groups live in Redis), so 
 AssignJob and StartCluster never reached it and every prepare seating it timed out, for as long
 as the session lived. A live session now joins its group again at each liveness touch."""
 
+import asyncio
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from gradient.wire.groups import worker_group
 from sessions import consumer
 from tests.factories import WorkerFactory
 from tests.sessions.conftest import Session
-from workers.models import Worker, hash_token
+from workers.models import IdleSlot, Worker, hash_token
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -33,8 +34,14 @@ async def test_a_live_session_gets_back_into_its_group_after_the_layer_lost_it(
     group = worker_group(worker.pk)
     await layer.group_discard(group, channel)  # what a Redis restart does to every group
 
-    await session.send({"type": "Draining"})  # any frame
-    await session.silent(0.3)  # handled
+    # Any frame is a touch; a RequestJob (nothing to do: an idle slot) queues behind it.
+    await session.send({"type": "RequestJob", "kind": "build"})
+    for _ in range(100):
+        if await sync_to_async(IdleSlot.objects.filter(worker=worker).exists)():
+            break  # the touch before it was handled
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the RequestJob after the touch was not handled")
     frame = json.dumps({"type": "Error", "code": "probe", "message": "through the group"})
     await layer.group_send(group, {"type": "worker.send", "frame": frame})
     assert (await session.recv_type("Error"))["code"] == "probe"

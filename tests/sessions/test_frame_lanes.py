@@ -43,11 +43,21 @@ class TableLock:
 
 
 async def eventually(check, timeout=5.0):
+    """Whether a database check holds within the timeout (polled off the event loop)."""
     for _ in range(int(timeout / 0.05)):
         if await q(check):
             return True
         await asyncio.sleep(0.05)
     return await q(check)
+
+
+async def until(check, timeout=5.0):
+    """Whether a check of the event loop's own state holds within the timeout."""
+    for _ in range(int(timeout / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
 
 
 async def test_a_report_is_handled_while_a_request_before_it_waits_for_the_database(
@@ -86,9 +96,10 @@ async def test_a_report_is_handled_while_a_request_before_it_waits_for_the_datab
 
 async def test_the_bulk_waits_for_the_reports_that_came_before_it():
     handled = []
-    report_gate = asyncio.Event()
+    report_started, report_gate = asyncio.Event(), asyncio.Event()
 
     async def handle_report(frame):
+        report_started.set()
         await report_gate.wait()
         handled.append(frame)
 
@@ -102,11 +113,14 @@ async def test_the_bulk_waits_for_the_reports_that_came_before_it():
     bulk = FrameQueue("bulk", handle_bulk, failed)
     done = reports.put("completed")
     bulk.put("request", after=done)
-    bulk.put("scores")
-    await asyncio.sleep(0.05)
-    assert handled == []  # the request waits for the report, the scores for the request
+    scores = bulk.put("scores")
+    await asyncio.wait_for(report_started.wait(), 5)
+    # The bulk took the request (only the scores still queued) and handles nothing: the
+    # request waits for the report under way, the scores for the request.
+    assert await until(lambda: bulk.waiting(lambda frame: True) == 1)
+    assert handled == []
     report_gate.set()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(scores, 5)
     assert handled == ["completed", "request", "scores"]
     await reports.stop()
     await bulk.stop()
@@ -125,18 +139,17 @@ async def test_stop_lets_the_frame_under_way_end_and_drops_the_rest():
         raise AssertionError(frame)
 
     queue = FrameQueue("bulk", handle, failed)
-    for frame in ("first", "second", "third"):
-        queue.put(frame)
-    await started.wait()
+    first, *rest = [queue.put(frame) for frame in ("first", "second", "third")]
+    await asyncio.wait_for(started.wait(), 5)
     stopping = asyncio.create_task(queue.stop())
-    await asyncio.sleep(0.05)
-    assert not stopping.done()  # waits for the frame under way
+    # The frames not yet under way are settled by stop() as it drops them, before it waits.
+    await asyncio.wait_for(asyncio.gather(*rest), 5)
+    assert not first.done() and not stopping.done()  # waits for the frame under way
     release.set()
-    await stopping
-    assert handled == ["first"]
+    await asyncio.wait_for(stopping, 5)
+    assert first.done() and handled == ["first"]
     assert queue.put("late").done()  # nothing is queued once stopped
-    await asyncio.sleep(0.05)
-    assert handled == ["first"]
+    assert queue.waiting(lambda frame: True) == 0 and handled == ["first"]
 
 
 async def test_a_failing_frame_ends_the_queue_and_reports_it():
@@ -161,17 +174,18 @@ async def test_a_resent_request_beyond_the_slots_of_its_kind_is_not_queued():
     consumer = WorkerConsumer()
     consumer.slots = {"eval": 1, "build": 2}
     consumer.last_report = None
-    blocked = threading.Event()
+    started, blocked = asyncio.Event(), threading.Event()
 
     async def handle(frame):
+        started.set()
         await asyncio.to_thread(blocked.wait, 5)
 
     async def failed(frame):
         raise AssertionError(frame)
 
     consumer.bulk = FrameQueue("bulk", handle, failed)
-    consumer.queue_bulk(RequestJob(kind="eval"))  # under way
-    await asyncio.sleep(0.05)
+    consumer.queue_bulk(RequestJob(kind="eval"))
+    await asyncio.wait_for(started.wait(), 5)  # under way
     for kind in ("eval", "eval", "eval", "build", "build", "build"):
         consumer.queue_bulk(RequestJob(kind=kind))
     consumer.queue_bulk(JobScores(scores=[]))
@@ -323,7 +337,9 @@ async def test_a_report_after_a_members_acceptance_waits_for_it(worker_session, 
         assert await eventually(lambda: locks.waiters() == 1)
         done = {"job_id": single["job_id"], "assignment_id": single["assignment_id"]}
         await session.send({"type": "JobCompleted", **done, "elapsed_ms": 5})
-        await asyncio.sleep(0.3)
+        # Answered on arrival, so the completion before it is queued by now.
+        await session.send({"type": "NoSuchFrame"})
+        assert (await session.recv_type("Error"))["code"] == "bad_message"
         assert await q(lambda: DispatchedJob.objects.get(job_id=single["job_id"]).outcome) is None
     finally:
         await q(locks.release)
@@ -331,4 +347,12 @@ async def test_a_report_after_a_members_acceptance_waits_for_it(worker_session, 
     assert await eventually(
         lambda: DispatchedJob.objects.get(job_id=single["job_id"]).outcome == "Completed"
     )
+    # Recorded after the acceptance, which waited for the lock.
+    accepted, finished = await q(
+        lambda: (
+            DispatchedJob.objects.get(job_id=held["job_id"]).accepted_at,
+            DispatchedJob.objects.get(job_id=single["job_id"]).finished_at,
+        )
+    )
+    assert accepted < finished
     await session.close()

@@ -99,19 +99,38 @@ async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_t
     def revoke(at):
         return q(lambda: Worker.objects.filter(pk=worker.pk).update(revoked_at=at))
 
+    def slot_recorded():
+        return q(
+            lambda: list(
+                IdleSlot.objects.filter(worker=worker).values_list("recorded_at", flat=True)
+            )
+        )
+
+    async def touched(before):
+        """A RequestJob (nothing to do: an idle slot), queued behind the frame's touch: once
+        its slot is recorded anew, the touch was handled."""
+        await session.send({"type": "RequestJob", "kind": "build"})
+        for _ in range(100):
+            now = await slot_recorded()
+            if now and (not before or now[0] > before[0]):
+                return now
+            await asyncio.sleep(0.05)
+        raise AssertionError("the RequestJob after the touch was not handled")
+
     attached = await seen()
     await revoke(timezone.now())  # in the table alone: no message to the session
 
-    await session.send({"type": "Draining"})
-    assert await session.silent(0.5)  # within the period: nothing written, still open
+    slot = await touched(None)
+    # Within the period: nothing written, still open.
     assert await seen() == attached
+    assert await session.silent(0)
     await revoke(None)
-    await asyncio.sleep(1.6)
-    await session.send({"type": "Draining"})
-    assert await session.silent(0.5)
+    await asyncio.sleep(liveness.touch_every() + 0.1)  # a touch period since the attach
+    await touched(slot)
     assert await seen() > attached
+    assert await session.silent(0)
     await revoke(timezone.now())
-    await asyncio.sleep(2.1)
+    await asyncio.sleep(liveness.touch_every() + 0.1)  # a touch period since the last write
     await session.send({"type": "Draining"})
     assert await session.ws.receive_output(3) == {"type": "websocket.close", "code": 4403}
     await session.close()

@@ -13,6 +13,20 @@ from workers.models import IdleSlot, Worker
 pytestmark = pytest.mark.asyncio
 
 
+async def handled(check, timeout=5.0):
+    """Whether a database check holds within the timeout: the frame it shows was handled."""
+    for _ in range(int(timeout / 0.05)):
+        if await q(check):
+            return True
+        await asyncio.sleep(0.05)
+    return await q(check)
+
+
+def outcome_and_status():
+    """The one assignment's outcome and its build's status."""
+    return DispatchedJob.objects.get().outcome, DerivationBuild.objects.get().status
+
+
 async def assigned_build(session):
     await session.connect()
     await session.hello()
@@ -32,10 +46,9 @@ async def test_a_completed_job_finishes_its_row_and_its_build(worker_session):
             "elapsed_ms": 5,
         }
     )
-    await session.silent()
+    assert await handled(lambda: DerivationBuild.objects.get().status == BuildStatus.COMPLETED)
     row = await q(lambda: DispatchedJob.objects.get())
     assert row.outcome == "Completed" and row.finished_at is not None
-    assert await q(lambda: DerivationBuild.objects.get().status) == BuildStatus.COMPLETED
     await session.close()
 
 
@@ -61,9 +74,7 @@ async def test_a_failed_build_requeues_or_ends_by_its_failure_kind(worker_sessio
             "kind": kind,
         }
     )
-    await session.silent()
-    assert await q(lambda: DerivationBuild.objects.get().status) == status
-    assert await q(lambda: DispatchedJob.objects.get().outcome) == "Failed"
+    assert await handled(lambda: outcome_and_status() == ("Failed", status))
     await session.close()
 
 
@@ -85,8 +96,9 @@ async def test_requeueing_failures_turn_permanent_when_attempts_run_out(worker_s
                 "kind": "transient",
             }
         )
-    await session.silent()
-    assert await q(lambda: DerivationBuild.objects.get().status) == BuildStatus.FAILED_PERMANENT
+    assert await handled(
+        lambda: DerivationBuild.objects.get().status == BuildStatus.FAILED_PERMANENT
+    )
     await session.close()
 
 
@@ -120,9 +132,7 @@ async def test_a_rejected_assignment_goes_back_to_the_queue(worker_session):
     await session.send(
         {"type": "AssignJobResponse", "job_id": job["job_id"], "accepted": False, "reason": "no"}
     )
-    await session.silent()
-    assert await q(lambda: DispatchedJob.objects.get().outcome) == "Abandoned"
-    assert await q(lambda: DerivationBuild.objects.get().status) == BuildStatus.QUEUED
+    assert await handled(lambda: outcome_and_status() == ("Abandoned", BuildStatus.QUEUED))
     await session.close()
 
 
@@ -131,7 +141,7 @@ async def test_a_disconnect_abandons_single_assignments_and_requeues_their_jobs(
     await q(lambda: BuildFactory())
     await assigned_build(session)
     await session.send({"type": "RequestJob", "kind": "eval"})
-    await session.silent()
+    assert await handled(lambda: IdleSlot.objects.filter(kind="eval").exists())
     await session.close()
     assert await q(lambda: DispatchedJob.objects.get().outcome) == "Abandoned"
     assert await q(lambda: DerivationBuild.objects.get().status) == BuildStatus.QUEUED

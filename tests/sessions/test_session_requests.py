@@ -1,6 +1,8 @@
 """The /proto session's messages about work to take: capabilities, offers and their scores,
 requests and what answers them, idle slots, draining, split evaluations, project access."""
 
+import asyncio
+
 import pytest
 
 from gradient.jobs.models import DerivationBuild, DispatchedJob, EvaluationStatus
@@ -9,6 +11,20 @@ from tests.sessions.session_db import q
 from workers.models import IdleSlot, JobScore, Worker
 
 pytestmark = pytest.mark.asyncio
+
+
+async def idle_slots(expected, timeout=5.0):
+    """Wait until the idle slots' kinds are `expected`: the RequestJob that records the last of
+    them was answered (with nothing), so whatever it would have sent is sent by now."""
+
+    def kinds():
+        return q(lambda: sorted(IdleSlot.objects.values_list("kind", flat=True)))
+
+    for _ in range(int(timeout / 0.05)):
+        if await kinds() == expected:
+            return True
+        await asyncio.sleep(0.05)
+    return await kinds() == expected
 
 
 async def test_capabilities_are_recorded_and_acknowledged_with_the_workers_name(worker_session):
@@ -39,7 +55,8 @@ async def test_jobs_the_worker_could_take_are_offered_once_members_included(work
     assert set(offered) == {f"build:{single.pk}", member.job_key}
     assert offered[f"build:{single.pk}"]["paths"] == ["/nix/store/a"]
     await session.send({"type": "RequestJob", "kind": "eval"})
-    assert await session.silent()  # nothing new to offer, nothing to assign
+    assert await idle_slots(["eval"])  # answered with nothing
+    assert await session.silent(0)  # nothing new to offer, nothing to assign
     await session.close()
 
 
@@ -72,7 +89,9 @@ async def test_a_request_with_new_offers_is_answered_by_their_scores(worker_sess
     await session.send({"type": "RequestJob", "kind": "build"})
     offer = await session.recv_type("JobOffer")
     assert {j["job_id"] for j in offer["jobs"]} == {costly.job_key, cheap.job_key}
-    assert await session.silent()  # the answer waits for the scores
+    # The answer waits for the scores: nothing yet, and the job it assigns is the one the
+    # scores sent next choose.
+    assert await session.silent(0)
     scores = [
         {"job_id": costly.job_key, "missing_count": 9, "missing_nar_size": 900},
         {"job_id": cheap.job_key, "missing_count": 1, "missing_nar_size": 10},
@@ -91,10 +110,12 @@ async def test_a_request_whose_offer_goes_unanswered_is_answered_after_the_wait(
     await session.hello()
     assert await session.silent()  # its first offer: an empty head
     build = await q(lambda: BuildFactory())
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
     await session.send({"type": "RequestJob", "kind": "build"})
     await session.recv_type("JobOffer")
-    assert await session.silent(0.15)
     assigned = await session.recv_type("AssignJob", timeout=3)
+    assert loop.time() - asked >= 0.3  # not before the wait for the scores ran out
     assert assigned["job_id"] == build.job_key
     await session.close()
 
@@ -127,9 +148,9 @@ async def test_a_member_of_a_queued_cluster_is_never_assigned_as_a_single_job(wo
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})
     await session.recv_type("JobOffer")
-    assert await session.silent()
+    assert await idle_slots(["build"])
+    assert await session.silent(0)
     assert not await q(lambda: DispatchedJob.objects.exists())
-    assert await q(lambda: list(IdleSlot.objects.values_list("kind", flat=True))) == ["build"]
     await session.close()
 
 
@@ -138,16 +159,18 @@ async def test_an_empty_answer_records_an_idle_slot_and_an_assignment_clears_it(
     await session.connect()
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
-    assert await q(lambda: IdleSlot.objects.filter(kind="build").count()) == 1
+    assert await idle_slots(["build"])
+    assert await session.silent(0)
     await q(lambda: BuildFactory())
     await session.send({"type": "RequestJob", "kind": "build"})
     await session.recv_type("AssignJob")
     assert not await q(lambda: IdleSlot.objects.exists())
-    # Now full (one build slot): another request records no idle slot.
+    # Now full (one build slot): another request records no idle slot. A request for an
+    # eval after it (nothing to do: an idle slot) is answered once it was.
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
-    assert not await q(lambda: IdleSlot.objects.exists())
+    await session.send({"type": "RequestJob", "kind": "eval"})
+    assert await idle_slots(["eval"])
+    assert await session.silent(0)
     await session.close()
 
 
@@ -166,15 +189,20 @@ async def test_a_resend_refreshes_its_idle_slot_and_wakes_the_pass_once(
     await session.connect()
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
+    assert await idle_slots(["build"])
+    assert await session.silent(0)
     first = await recorded()
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
+    for _ in range(100):
+        if await recorded() > first:
+            break
+        await asyncio.sleep(0.05)
     assert await recorded() > first
-    assert len(woken) == 1
+    assert await session.silent(0)
     await q(lambda: BuildFactory())
     await session.send({"type": "RequestJob", "kind": "build"})
     assign = await session.recv_type("AssignJob")
+    assert len(woken) == 1  # the refresh, handled before this request, woke nothing
     assert not await q(lambda: IdleSlot.objects.exists())
     await session.send(
         {
@@ -185,8 +213,12 @@ async def test_a_resend_refreshes_its_idle_slot_and_wakes_the_pass_once(
         }
     )
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
-    assert await q(lambda: IdleSlot.objects.filter(kind="build").count()) == 1
+    assert await idle_slots(["build"])
+    assert await session.silent(0)
+    for _ in range(100):
+        if len(woken) == 2:
+            break
+        await asyncio.sleep(0.05)
     assert len(woken) == 2
     await session.close()
 
@@ -196,10 +228,9 @@ async def test_draining_clears_idle_slots_and_stops_new_work(worker_session):
     await session.connect()
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "eval"})
-    await session.silent()
+    assert await idle_slots(["eval"])
     await session.send({"type": "Draining"})
-    await session.silent()
-    assert not await q(lambda: IdleSlot.objects.exists())
+    assert await idle_slots([])
     await q(lambda: EvaluationFactory())
     await session.send({"type": "RequestJob", "kind": "eval"})
     assert await session.silent(0.5)
@@ -226,7 +257,10 @@ async def test_a_single_evaluation_splits_for_a_fetch_only_worker(worker_session
             "elapsed_ms": 1,
         }
     )
-    await fetcher.silent()
+    for _ in range(100):
+        if await q(lambda: type(evaluation).objects.get().status) == EvaluationStatus.FETCHING:
+            break
+        await asyncio.sleep(0.05)
     assert await q(lambda: type(evaluation).objects.get().status) == EvaluationStatus.FETCHING
     await evaluator.connect()
     await evaluator.hello()
@@ -245,7 +279,8 @@ async def test_a_member_evaluation_is_never_split(worker_session):
     await fetcher.connect()
     await fetcher.hello(eval=False, fetch=True)
     await fetcher.send({"type": "RequestJob", "kind": "eval"})
-    assert await fetcher.silent()  # neither offered nor assigned
+    assert await idle_slots(["eval"])  # answered with nothing
+    assert await fetcher.silent(0)  # neither offered nor assigned
     assert not await q(lambda: DispatchedJob.objects.exists())
     await fetcher.close()
 
@@ -256,6 +291,7 @@ async def test_workers_cannot_take_jobs_of_projects_they_may_not_access(worker_s
     await session.connect()
     await session.hello()
     await session.send({"type": "RequestJob", "kind": "build"})
-    assert await session.silent()
+    assert await idle_slots(["build"])  # answered with nothing
+    assert await session.silent(0)
     assert not await q(lambda: DispatchedJob.objects.exists())
     await session.close()

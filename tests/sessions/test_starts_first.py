@@ -3,6 +3,8 @@ handshake and their InitAck, the sessions already started hold their work back, 
 offer included, and do it once the starts are done; so does a new session's notice to the one it
 replaces."""
 
+import asyncio
+
 import pytest
 from asgiref.sync import sync_to_async
 
@@ -13,9 +15,26 @@ from tests.sessions.conftest import Session
 pytestmark = pytest.mark.asyncio
 
 
+class Calm(asyncio.Event):
+    """The starts' calm, counting the work that waits for it: held back, not merely slow."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = 0
+
+    async def wait(self):
+        self.waiting += 1
+        try:
+            return await super().wait()
+        finally:
+            self.waiting -= 1
+
+
 def storm():
-    """As many pending starts on this event loop as a storm has; returns the end of it."""
+    """As many pending starts on this event loop as a storm has; returns the end of it, and
+    the calm that the held-back work waits for."""
     starts = session_starts()
+    starts.calm = Calm()
     for _ in range(STORM_STARTS + 1):
         starts.begin()
 
@@ -23,7 +42,16 @@ def storm():
         for _ in range(STORM_STARTS + 1):
             starts.end()
 
-    return calm
+    return calm, starts.calm
+
+
+async def held_back(calm: Calm, count: int) -> bool:
+    """Whether `count` pieces of work wait for calm within a few seconds."""
+    for _ in range(300):
+        if calm.waiting == count:
+            return True
+        await asyncio.sleep(0.01)
+    return calm.waiting == count
 
 
 async def test_a_started_session_offers_nothing_until_the_storm_of_starts_is_over(
@@ -32,10 +60,11 @@ async def test_a_started_session_offers_nothing_until_the_storm_of_starts_is_ove
     _, session = await worker_session()
     await sync_to_async(BuildFactory)()
     await session.connect()
-    calm = storm()
+    calm, waited = storm()
     try:
         await session.hello()  # its own start is not held back
-        assert await session.silent(0.5)  # the first offer waits
+        assert await held_back(waited, 1)
+        assert await session.silent(0)  # the first offer waits
     finally:
         calm()
     offer = await session.recv_type("JobOffer")
@@ -51,10 +80,11 @@ async def test_a_request_for_work_waits_for_the_storm_of_starts_and_is_answered_
     await session.connect()
     await session.hello()
     await session.recv_type("JobOffer")
-    calm = storm()
+    calm, waited = storm()
     try:
         await session.send({"type": "RequestJob", "kind": "build"})
-        assert await session.silent(0.5)
+        assert await held_back(waited, 1)
+        assert await session.silent(0)
     finally:
         calm()
     assert (await session.recv_type("AssignJob"))["job"]["kind"] == "build"
@@ -67,12 +97,13 @@ async def test_the_session_a_new_one_replaces_is_told_once_the_storm_of_starts_i
     _, first = await worker_session()
     await first.connect()
     await first.hello()
-    calm = storm()
+    calm, waited = storm()
     try:
         second = Session(first.token)
         assert (await second.connect())[0]
         await second.hello()  # the new session starts at once
-        assert await first.silent(0.5)  # the old one is not told yet
+        assert await held_back(waited, 2)  # the notice to the old one, and the new one's offer
+        assert await first.silent(0)  # the old one is not told yet
     finally:
         calm()
     closed = await first.ws.receive_output(3)
