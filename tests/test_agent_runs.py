@@ -5,6 +5,7 @@ aborts end the process, and every report carries the end of the output."""
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,8 @@ async def test_an_abort_ends_the_process_group_and_is_reported_as_aborted(tmp_pa
         await session.send(job(["sh", "-c", "echo up; sleep 60 & wait"]))
         await session.expect(p.AssignJobResponse)
         started = await agent.wait_event("started", job_id=build(1))
+        output = Path(started["directory"]) / "output.log"
+        await eventually(lambda: output.read_text() == "up\n")  # the command itself runs
         await session.send(p.AbortJob(job_id=build(1), reason="canceled"))
         failed = await session.expect(p.JobFailed)
         assert (failed.kind, failed.error) == ("aborted", "job aborted: canceled")
