@@ -99,8 +99,8 @@ GROUP BY s.job_id
 """
 
 # Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists
-# (a few hundred to thousands of entries each). Timed on the bench's 8 million scores: four
-# jobs' full lists 1.6 ms, their scores from 8 workers 0.6 ms, from 128 1.3 ms, from 256 1.8.
+# (a few hundred to thousands of entries each), which cost less once the pairs are many
+# (docs/design.md has the timings).
 PROBED_WORKERS = CHEAPEST
 
 

@@ -30,7 +30,7 @@ class _Formatted:
 
 
 # autobahn pretty-prints its whole configuration for a debug line at every WebSocket
-# connection, debug logging on or off: some 5% of daphne's time in a reconnect storm.
+# connection, debug logging on or off: a cost paid by every connection of a reconnect storm.
 # Formatted lazily instead (the debug line, when on, reads the same).
 if getattr(autobahn_protocol, "pformat", None) is pprint.pformat:
     autobahn_protocol.pformat = _Formatted

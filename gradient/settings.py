@@ -100,9 +100,9 @@ DATABASES = {
 # A claimer stuck behind a lock, or a connection left idle inside a transaction, must not
 # block its rivals for long: both are part of the claim's correctness, not tuning. And the
 # triggers (pgtrigger, in the models' Meta) read pgtrigger.ignore on every row: unset, the
-# read raises and is caught, which made the retention pass four times slower. JIT is off:
-# it compiles a statement at each run once its estimate passes jit_above_cost, as the cluster
-# book's does over a thousand clusters (10 ms compiled for a 46 ms statement, docs/design.md).
+# read raises and is caught, which slows every row a trigger sees. JIT is off: it compiles
+# a statement at each run once its estimate passes jit_above_cost, as the cluster book's does
+# on a deep queue, and the compiling costs more than it saves (docs/design.md).
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
     "options",

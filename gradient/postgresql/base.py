@@ -16,8 +16,8 @@ from psycopg import _queries
 TRUSTED_FOR_SECS = 1.0
 
 # psycopg converts a statement's %(name)s placeholders once and keeps the result only for a
-# text of up to 4 KiB (against ORMs' one-off statements). The head of the queue's statement is
-# about 7 KiB, so every RequestJob paid the conversion again: about 0.3 ms of a session's CPU.
+# text below a size limit (against ORMs' one-off statements). The head of the queue's statement
+# is past it, so every RequestJob would pay the conversion again.
 STATEMENTS_CACHED_UP_TO = 16 * 1024
 _queries.MAX_CACHED_STATEMENT_LENGTH = max(
     _queries.MAX_CACHED_STATEMENT_LENGTH, STATEMENTS_CACHED_UP_TO
