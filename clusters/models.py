@@ -179,6 +179,9 @@ class ClusterJob(models.Model):
     # its members for their scores; it is placed once they answered, or GRADIENT_SCORE_WAIT_MS
     # after (clusters.asking).
     offered_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Its status and its attempts are counted in cluster_metric_tally (gradient.metrics.fold):
+    # /metrics reads the tally and the untallied clusters' rows alone.
+    tallied = models.BooleanField(default=False, db_default=False, editable=False)
 
     class Meta:
         db_table = "cluster_job"
@@ -198,6 +201,10 @@ class ClusterJob(models.Model):
                 fields=["project", "-prioritized", "created_at", "id"],
                 condition=Q(waiting_since__isnull=False),
                 name="idx-cluster_job-waiting-proj",
+            ),
+            # /metrics counts the untallied clusters and folds the finished ones among them.
+            models.Index(
+                fields=["id"], condition=Q(tallied=False), name="idx-cluster_job-untallied"
             ),
         ]
 

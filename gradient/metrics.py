@@ -23,18 +23,25 @@ effort: a Redis that is down or slow costs a lost sample, never the pass or the 
     gradient_signals_dropped_total                  counter (Redis)
     gradient_metrics_redis_up                       gauge, 0 when the Redis part is missing
 
-The retention pass deletes old clusters with their attempts; in the same transaction it adds
-what those attempts counted to a tally (cluster_metric_tally), which the collector adds back, so
-a counter or histogram over the rows never goes down.
+A scrape reads no more than the clusters not yet tallied. A finished cluster without an open
+attempt never changes again: a fold (at each scrape, a batch at most) adds its status and its
+attempts' figures to a tally (cluster_metric_tally) and marks it tallied, in one transaction, so
+every cluster is counted once, by the tally or by its rows, whichever process folds it. The
+scrape then reads the tally and the untallied clusters' rows in one snapshot. The retention pass
+deletes old clusters with their attempts; in the same transaction it tallies those not yet
+tallied and takes the deleted ones off the clusters gauge, so a counter or histogram over the
+rows never goes down.
 """
 
 import hmac
 import logging
 import time
+from collections import Counter
+from contextlib import contextmanager
 
 import redis
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count
 from django.http import HttpResponse
 from django.utils import timezone
@@ -151,9 +158,8 @@ def _empty(buckets) -> tuple[list, float]:
     return _cumulative({}, buckets), 0.0
 
 
-# Each query covers the attempts of `{scope}`: all of them at scrape time, or the batch of
-# clusters the retention pass is about to delete.
-EVERY_CLUSTER = "TRUE"
+# Each query covers the attempts of the clusters given: the untallied ones at scrape time, or a
+# batch a fold or the retention pass tallies.
 THESE_CLUSTERS = "cluster_job_id = ANY(%s)"
 
 ATTEMPTS_SQL = """
@@ -181,6 +187,7 @@ WHERE (started_at IS NOT NULL OR outcome = %s) AND {scope}
 
 # Tallied metrics: what cluster_metric_tally's `metric` column calls them.
 ATTEMPTS, QUEUED_TO_STARTED, PREPARE = "attempts", "queued_to_started", "prepare"
+CLUSTERS = "clusters"  # the tallied clusters by status, less those retention deleted
 
 
 def _attempt_figures(scope: str, scope_params: list):
@@ -221,17 +228,66 @@ INSERT INTO cluster_metric_tally (metric, series, value) VALUES (%s, %s, %s)
 ON CONFLICT (metric, series) DO UPDATE SET value = cluster_metric_tally.value + EXCLUDED.value
 """
 
+# At most this many clusters per fold: a backlog (the first scrape after an upgrade) is folded
+# over several scrapes, each reading the rest from the rows meanwhile.
+FOLD_BATCH = 10_000
+
+# Finished clusters without an open attempt, not yet tallied; one another fold or the retention
+# pass holds is skipped, not waited on.
+FOLDABLE_SQL = """
+SELECT c.id, c.status FROM cluster_job c
+WHERE NOT c.tallied AND c.status = ANY(%(finished)s) AND {no_open_attempt}
+ORDER BY c.id LIMIT %(batch)s
+FOR UPDATE OF c SKIP LOCKED
+"""
+
+
+def _figures_of(cluster_ids: list[int]) -> Counter:
+    """What these clusters' attempts count, as tally rows: {(metric, series): value}."""
+    finished, _, waits, prepares = _attempt_figures(THESE_CLUSTERS, [cluster_ids])
+    rows = Counter({(ATTEMPTS, outcome): n for outcome, n in finished.items() if n and outcome})
+    rows.update({(QUEUED_TO_STARTED, s): v for s, v in _histogram_series(waits)})
+    rows.update({(PREPARE, s): v for s, v in _histogram_series(prepares)})
+    return rows
+
+
+def _add_to_tally(rows: Counter) -> None:
+    # In one order, so two transactions adding to the same rows wait, never deadlock.
+    values = [(m, s, v) for (m, s), v in sorted(rows.items()) if v]
+    if values:
+        with connection.cursor() as cursor:
+            cursor.executemany(TALLY_SQL, values)
+
+
+def fold(batch: int = FOLD_BATCH) -> int:
+    """Tally up to `batch` finished clusters not yet tallied; how many it tallied."""
+    from clusters.models import CLUSTER_TERMINAL, no_open_attempt_sql
+
+    sql = FOLDABLE_SQL.format(no_open_attempt=no_open_attempt_sql("c.id"))
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, {"finished": sorted(CLUSTER_TERMINAL), "batch": batch})
+        found = cursor.fetchall()
+        if not found:
+            return 0
+        ids = [cluster_id for cluster_id, _ in found]
+        cursor.execute("UPDATE cluster_job SET tallied = true WHERE id = ANY(%s)", [ids])
+        rows = _figures_of(ids)
+        rows.update((CLUSTERS, status) for _, status in found)
+        _add_to_tally(rows)
+    return len(ids)
+
 
 def tally_deleted(cluster_ids: list[int]) -> None:
-    """Add what these clusters' attempts count to the tally. The retention pass calls this in
-    the transaction that deletes them, so each is tallied exactly once."""
-    finished, _, waits, prepares = _attempt_figures(THESE_CLUSTERS, [cluster_ids])
-    rows = [(ATTEMPTS, outcome, n) for outcome, n in finished.items() if n and outcome]
-    rows += [(QUEUED_TO_STARTED, s, v) for s, v in _histogram_series(waits)]
-    rows += [(PREPARE, s, v) for s, v in _histogram_series(prepares)]
-    if rows:
-        with connection.cursor() as cursor:
-            cursor.executemany(TALLY_SQL, rows)
+    """Tally the attempts of these clusters not yet tallied, and take the tallied ones off the
+    clusters gauge. The retention pass calls this in the transaction that deletes them."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id, status, tallied FROM cluster_job WHERE id = ANY(%s)", [cluster_ids]
+        )
+        found = cursor.fetchall()
+    rows = _figures_of([cluster_id for cluster_id, _, tallied in found if not tallied])
+    rows.subtract((CLUSTERS, status) for _, status, tallied in found if tallied)
+    _add_to_tally(rows)
 
 
 def _tally() -> dict[tuple[str, str], float]:
@@ -255,21 +311,38 @@ def counted(queryset, field: str, labels) -> dict:
     return counts
 
 
+@contextmanager
+def _snapshot():
+    """A transaction whose reads see one snapshot: a fold committed by another process halfway
+    through a scrape is then counted by the tally or by the rows, never by both or neither.
+    Within a transaction already (a test's), that transaction's."""
+    outermost = not connection.in_atomic_block
+    with transaction.atomic():
+        if outermost:
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        yield
+
+
 def database_metrics():
     from clusters.models import ClusterJob, ClusterStatus
     from gradient.jobs.models import JobKind
     from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
+    fold()
+    with _snapshot():
+        tally = _tally()
+        untallied = list(ClusterJob.objects.filter(tallied=False).values_list("pk", "status"))
+        finished, open_, waits, prepares = _attempt_figures(
+            THESE_CLUSTERS, [[pk for pk, _ in untallied]]
+        )
+
+    by_status = Counter(status for _, status in untallied)
     clusters = GaugeMetricFamily("gradient_clusters", "Cluster jobs by status.", labels=["status"])
-    by_status = dict.fromkeys(ClusterStatus.values, 0)
-    for row in ClusterJob.objects.order_by().values("status").annotate(n=Count("pk")):
-        by_status[row["status"]] = row["n"]
-    for status, n in by_status.items():
-        clusters.add_metric([status], n)
+    for status in ClusterStatus.values:
+        clusters.add_metric([status], by_status[status] + int(tally.get((CLUSTERS, status), 0)))
     yield clusters
 
-    finished, open_, waits, prepares = _attempt_figures(EVERY_CLUSTER, [])
-    tally = _tally()
     attempts = CounterMetricFamily(
         "gradient_cluster_attempts", "Finished cluster attempts by outcome.", labels=["outcome"]
     )
