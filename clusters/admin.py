@@ -20,8 +20,9 @@ from clusters.models import (
     CLUSTER_TERMINAL,
     ClusterAttempt,
     ClusterJob,
+    ClusterMember,
 )
-from gradient.jobs.admin import ViewOnlyMixin
+from gradient.jobs.admin import HistoryListMixin, ViewOnlyMixin
 from gradient.jobs.models import DispatchedJob
 from workers.models import Worker
 
@@ -92,7 +93,7 @@ class AbortForm(forms.Form):
 
 
 @admin.register(ClusterJob)
-class ClusterJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
+class ClusterJobAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     list_display = [
         "id",
         "project",
@@ -168,12 +169,20 @@ class ClusterJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
     def get_queryset(self, request):
         attempts = ClusterAttempt.objects.filter(cluster_job=OuterRef("pk"))
         seats = DispatchedJob.objects.filter(cluster_attempt__cluster_job=OuterRef("pk"))
+        # Subqueries, never a join and GROUP BY: a count of the list then reads no annotation,
+        # and a search by role (a join of members) cannot multiply the member count.
+        members = (
+            ClusterMember.objects.filter(cluster_job=OuterRef("pk"))
+            .order_by()
+            .values("cluster_job")
+            .annotate(n=Count("pk"))
+            .values("n")
+        )
         return (
             super()
             .get_queryset(request)
-            # distinct: a search by role joins members a second time and would multiply it.
-            .annotate(num_members=Count("members", distinct=True))
             .annotate(
+                num_members=Coalesce(Subquery(members), 0),
                 last_state=Subquery(
                     attempts.order_by("-created_at", "-id")
                     .annotate(state=Coalesce("outcome", Value(OPEN)))
@@ -217,7 +226,7 @@ class DispatchedInline(ViewOnlyMixin, admin.TabularInline):
 
 
 @admin.register(ClusterAttempt)
-class ClusterAttemptAdmin(ViewOnlyMixin, admin.ModelAdmin):
+class ClusterAttemptAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     list_display = ["id", "cluster_job", "created_at", "started_at", "finished_at", "outcome"]
     list_filter = ["outcome"]
     list_select_related = ["cluster_job"]

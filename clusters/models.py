@@ -306,6 +306,10 @@ class ClusterAttempt(models.Model):
                 name="idx-cluster_attempt-open",
             ),
         ]
+        indexes = [
+            # The admin's list of attempts, newest first, a page at a time.
+            models.Index(fields=["created_at"], name="idx-cluster_attempt-created"),
+        ]
 
     def __str__(self):
         return f"attempt {self.id}"

@@ -1,9 +1,51 @@
 """Admin for the existing jobs: read-mostly, as statuses move only by guarded transitions."""
 
 from django.contrib import admin
+from django.core.paginator import Paginator
+from django.db import connection
+from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from gradient.jobs.models import DerivationBuild, DispatchedJob, Evaluation, Project
+
+# An unfiltered list of more rows than this (by PostgreSQL's estimate) shows the estimate.
+ESTIMATE_ABOVE = 10_000
+
+# The planner's own estimate of a table's rows: its last ANALYZE's rows per page, times the
+# pages it has now; NULL before any ANALYZE.
+ESTIMATE_SQL = """
+SELECT reltuples / greatest(relpages, 1)
+       * (pg_relation_size(oid) / current_setting('block_size')::int)
+FROM pg_class WHERE oid = %s::regclass AND reltuples >= 0
+"""
+
+
+class EstimatedCountPaginator(Paginator):
+    """An exact count reads every row the list could show. An unfiltered list of a large table
+    is counted by PostgreSQL's estimate instead (the list then says "about"); a filtered or
+    searched one, or a small table, is counted exactly."""
+
+    estimated = False
+
+    @cached_property
+    def count(self):
+        query = self.object_list.query
+        if not query.where:
+            with connection.cursor() as cursor:
+                cursor.execute(ESTIMATE_SQL, [query.model._meta.db_table])
+                row = cursor.fetchone()
+            if row and row[0] is not None and row[0] > ESTIMATE_ABOVE:
+                self.estimated = True
+                return int(row[0])
+        return super().count
+
+
+class HistoryListMixin:
+    """A list of rows kept for the whole history: the page costs the same however many are
+    kept. No second count of the unfiltered rows beside a filtered list's own."""
+
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
 
 
 class ViewOnlyMixin:
@@ -33,7 +75,7 @@ class ProjectAdmin(admin.ModelAdmin):
 
 
 @admin.register(Evaluation)
-class EvaluationAdmin(ViewOnlyMixin, admin.ModelAdmin):
+class EvaluationAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     list_display = ["id", "project", "status", "architecture", "prioritized", "created_at"]
     list_filter = ["status", "prioritized"]
     list_select_related = ["project"]
@@ -42,7 +84,7 @@ class EvaluationAdmin(ViewOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(DerivationBuild)
-class DerivationBuildAdmin(ViewOnlyMixin, admin.ModelAdmin):
+class DerivationBuildAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     list_display = ["id", "project", "status", "architecture", "prioritized", "created_at"]
     list_filter = ["status", "prioritized", "cache_available"]
     list_select_related = ["project"]
@@ -51,7 +93,7 @@ class DerivationBuildAdmin(ViewOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(DispatchedJob)
-class DispatchedJobAdmin(ViewOnlyMixin, admin.ModelAdmin):
+class DispatchedJobAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     list_display = [
         "job_id",
         "kind",

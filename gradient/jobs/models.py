@@ -320,6 +320,8 @@ class DispatchedJob(models.Model):
             models.Index(
                 fields=["blame"], condition=Q(blame__isnull=False), name="idx-dispatched_job-blame"
             ),
+            # The admin's list of assignments, newest first, a page at a time.
+            models.Index(fields=["dispatched_at"], name="idx-dispatched_job-dispatched"),
         ]
 
     def __str__(self):
