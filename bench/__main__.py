@@ -3,9 +3,9 @@
     bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
 
 NAME is any of: claim, dispatch-pass, gang-start, throughput, queue-depth, placement, storm,
-retention, health, session, agent (default: all, in that order). Each runs as its own process
-(`.venv/bin/python bench/<script>.py ... --write DOC`), with the command that its section then
-quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
+retention, history, health, session, agent (default: all, in that order). Each runs as its own
+process (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command that its section
+then quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
 machine should be quiet: the figures move with the load average, which each section records.
 
 A new benchmark is a script here and a NAME in BENCHES. If its figures have targets, it returns
@@ -34,6 +34,7 @@ BENCHES = {
     "placement": ["bench/placement.py"],
     "storm": ["bench/storm.py"],
     "retention": ["bench/retention.py"],
+    "history": ["bench/history.py"],
     "health": ["bench/health.py"],
     "session": ["bench/session.py"],
     "agent": ["bench/agent.py"],

@@ -1,0 +1,258 @@
+"""History kept: /metrics and the admin's lists over 20,000 and 200,000 finished clusters.
+
+    .venv/bin/python bench/history.py [--sizes 20000,200000] [--write docs/benchmarks.md]
+
+A busy CI keeps 30 days of finished clusters. The rows are bulk-loaded in one statement per
+size (untimed): each cluster Completed, with two evaluation members, one Succeeded attempt and
+two Completed assignments, created over the last 30 days. Timed: each page's server time
+through Django's test client, logged in as a superuser, best of 3 after one untimed request.
+Before timing, the new clusters are folded into the metrics' tally, as successive scrapes do
+after an upgrade (and as each scrape does for what finished since the one before); that time is
+reported apart.
+
+It uses its own database (--database-url, default gradient_h6_bench): created and migrated
+when missing, emptied at the start.
+"""
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import _common as common
+
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_h6_bench"
+REDIS_DB = 5
+SECTION = "## History kept"
+BENCH = "history"
+REPEAT = 3
+METRICS_TARGET_MS, LIST_TARGET_MS, GROWTH_TARGET = 50, 150, 1.2
+
+PAGES = {
+    "GET /metrics": "/metrics",
+    "clusters": "/admin/clusters/clusterjob/",
+    "cluster attempts": "/admin/clusters/clusterattempt/",
+    "dispatched jobs": "/admin/jobs/dispatchedjob/",
+    "evaluations": "/admin/jobs/evaluation/",
+}
+
+# Clusters numbered (first, last], created evenly over the 30 days before %(now)s, each with
+# two evaluation members, a started and Succeeded attempt and a Completed assignment per member.
+LOAD_SQL = """
+WITH c AS (
+    INSERT INTO cluster_job (project_id, status, same_zone, attempts, retry_budget,
+                             created_at, updated_at)
+    SELECT %(project)s, 'Completed', false, 1, 0,
+           %(now)s - interval '30 days' * (1 - i::float / %(last)s),
+           %(now)s - interval '30 days' * (1 - i::float / %(last)s) + interval '3 minutes'
+    FROM generate_series(%(first)s + 1, %(last)s) i
+    RETURNING id, created_at
+), a AS (
+    INSERT INTO cluster_attempt (id, cluster_job_id, created_at, started_at, finished_at, outcome)
+    SELECT gen_random_uuid(), id, created_at + interval '20 seconds',
+           created_at + interval '21 seconds', created_at + interval '3 minutes', 'Succeeded'
+    FROM c
+    RETURNING id, cluster_job_id, created_at, finished_at
+), m AS (
+    SELECT a.*, gen_random_uuid() AS eval_id, role FROM a, unnest('{server,client}'::text[]) role
+), e AS (
+    INSERT INTO evaluation (id, project_id, architecture, required_features, paths,
+                            prioritized, created_at, updated_at, status)
+    SELECT eval_id, %(project)s, 'x86_64-linux', '{}', '{}', false, created_at, finished_at,
+           'Completed'
+    FROM m
+), cm AS (
+    INSERT INTO cluster_member (cluster_job_id, evaluation_id, role, "primary")
+    SELECT cluster_job_id, eval_id, role, role = 'server' FROM m
+)
+INSERT INTO dispatched_job (id, kind, job_id, steps, dispatched_at, finished_at, outcome,
+                            accepted_at, cluster_attempt_id, worker_id, evaluation_id,
+                            project_id)
+SELECT gen_random_uuid(), 'eval', 'eval:' || eval_id, '{}', created_at, finished_at,
+       'Completed', created_at + interval '1 second', id, %(worker)s, eval_id, %(project)s
+FROM m
+"""
+
+
+def load_clusters(first: int, last: int) -> float:
+    """Add clusters first+1 .. last; the seconds it took, with the vacuum autovacuum would do."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from gradient.jobs.models import Project
+    from workers.models import Worker
+
+    project, _ = Project.objects.get_or_create(name="history")
+    worker = Worker.objects.filter(name="history").first() or Worker.objects.create(
+        name="history", token_hash="history"
+    )
+    began = time.perf_counter()
+    with connection.cursor() as cursor:
+        # The rows are whole and consistent: no trigger or foreign-key check to run per row.
+        cursor.execute("SET session_replication_role = replica")
+        cursor.execute(
+            LOAD_SQL,
+            {
+                "project": project.pk,
+                "worker": worker.pk,
+                "first": first,
+                "last": last,
+                "now": timezone.now(),
+            },
+        )
+        cursor.execute("SET session_replication_role = DEFAULT")
+    vacuum()
+    return time.perf_counter() - began
+
+
+def vacuum() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "VACUUM ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job,"
+            " evaluation"
+        )
+
+
+def server_ms(client, url: str) -> float:
+    """Best of REPEAT, in ms, after one untimed request."""
+    times = []
+    for i in range(REPEAT + 1):
+        began = time.perf_counter()
+        response = client.get(url, HTTP_HOST="localhost")
+        took = time.perf_counter() - began
+        assert response.status_code == 200, (url, response.status_code)
+        if i:
+            times.append(took * 1000)
+    return min(times)
+
+
+def measure(size: int, client) -> dict:
+    """Each page's best time, and how long folding the new clusters into the tally took."""
+    from gradient.metrics import fold
+
+    began = time.perf_counter()
+    while fold():  # the backlog, as successive scrapes fold it
+        pass
+    first = time.perf_counter() - began
+    vacuum()  # as autovacuum does after that many updates
+    times = {name: server_ms(client, url) for name, url in PAGES.items()}
+    print(
+        f"{size:,} clusters: fold {first:.2f} s; "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in times.items()),
+        flush=True,
+    )
+    return {"first": first, "times": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="20000,200000", help="cluster counts, ascending")
+    parser.add_argument("--database-url", default=DATABASE_URL)
+    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    command = shlex.join([".venv/bin/python", "bench/history.py", *sys.argv[1:]])
+
+    common.setup(args.database_url, REDIS_DB)
+    common.ensure_database()
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    users = get_user_model().objects
+    user = users.filter(username="history").first() or users.create_superuser(
+        "history", "history@example.com", "x"
+    )
+    client = Client()
+    client.force_login(user)
+    load_before = common.load()
+    results, loaded = {}, 0
+    for size in sizes:
+        took = load_clusters(loaded, size)
+        print(f"loaded {size - loaded:,} clusters in {took:.1f} s", flush=True)
+        loaded = size
+        results[size] = measure(size, client)
+    load = f"{load_before} at the start, {common.load()} at the end"
+    print(text_table(sizes, results))
+    if args.write:
+        common.write_section(
+            args.write,
+            SECTION,
+            section(command, sizes, results, load),
+            BENCH,
+            figures(sizes, results),
+        )
+
+
+def growth(sizes, results, name) -> float:
+    return results[sizes[-1]]["times"][name] / results[sizes[0]]["times"][name]
+
+
+def text_table(sizes, results) -> str:
+    header = ["page", *(f"ms at {s:,}" for s in sizes), "growth"]
+    rows = [
+        [
+            name,
+            *(f"{results[s]['times'][name]:.1f}" for s in sizes),
+            f"{growth(sizes, results, name):.2f}x",
+        ]
+        for name in PAGES
+    ]
+    rows.append(
+        [
+            "folding the new clusters into the tally, s",
+            *(f"{results[s]['first']:.2f}" for s in sizes),
+            "-",
+        ]
+    )
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def figures(sizes, results) -> list:
+    """One summary row per page: its time at the largest size, and its growth from the
+    smallest."""
+    small, large = sizes[0], sizes[-1]
+    out = []
+    for name in PAGES:
+        target = METRICS_TARGET_MS if name == "GET /metrics" else LIST_TARGET_MS
+        ms, g = results[large]["times"][name], growth(sizes, results, name)
+        out.append(
+            common.Figure(
+                f"history: {name}, ms at {large:,} clusters, and over {small:,}",
+                f"< {target} ms, ≤ {GROWTH_TARGET}x",
+                f"{ms:.1f} ms, {g:.2f}x",
+                ms < target and g <= GROWTH_TARGET,
+            )
+        )
+    return out
+
+
+def section(command: str, sizes, results, load: str) -> str:
+    from bench._common import machine, paragraph
+
+    prose = (
+        f"Server time of each page, in ms, best of {REPEAT} after one untimed request, through"
+        " Django's test client logged in as a superuser (no network, no browser), with"
+        f" {' and '.join(f'{s:,}' for s in sizes)} finished clusters kept. Each cluster is"
+        " Completed, with two evaluation members, one started and Succeeded attempt and two"
+        " Completed assignments, created over 30 days; the rows are bulk-loaded in one"
+        " statement per size and vacuumed, as autovacuum would. Before the pages are timed, the new"
+        " clusters are folded into the metrics' tally in batches, as the scrapes after an"
+        " upgrade fold them (each scrape folds what finished since the one before); that time"
+        " is shown apart."
+    )
+    run = (
+        f"Command: `{command}`. Machine: {machine()}, on the same host over TCP, shared with"
+        f" other work (load average {load})."
+    )
+    return (
+        "\n\n".join([SECTION, text_table(sizes, results), paragraph(prose), paragraph(run)]) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
