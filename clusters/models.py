@@ -365,9 +365,10 @@ class ReservationSeat(models.Model):
 
 
 class MetricTally(models.Model):
-    """What the retention pass deleted, as /metrics counted it: the counters and histograms
-    over cluster_attempt add this to what the remaining rows say, so deleting old clusters
-    never makes a counter go down (Prometheus would read that as a reset)."""
+    """What /metrics no longer reads from the rows: the tallied clusters by status (less those
+    retention deleted) and their attempts' counts. The collector adds it to what the untallied
+    clusters' rows say, so neither history nor its deletion is read at each scrape, and no
+    counter goes down (Prometheus would read that as a reset)."""
 
     metric = models.CharField(max_length=64)
     # A counter's label value, or a histogram's "label|le" bucket and "label|sum".
