@@ -6,7 +6,7 @@ work queues for seconds, so a session hands its frames to FrameQueues instead an
 straight back to its events: one for members' acceptances, one for the reports (single jobs'
 acceptances, completions, failures, signals), one for the bulk (offers, scores, requests for
 work, the liveness touch). A queue may wait for the frames of the one before it that arrived
-earlier, but never holds them back.
+earlier, but never holds them back (sessions/lanes.py).
 """
 
 import asyncio
@@ -100,4 +100,4 @@ class OfferAll(NamedTuple):
 class ScoresLate(NamedTuple):
     """GRADIENT_SCORE_WAIT_MS passed since an offer that requests wait on (not a message)."""
 
-    offer: int  # which offer (Session.offers_made at the time)
+    offer: int  # which offer (Requests.offers_made at the time)

@@ -20,8 +20,9 @@ SESSION_STARTS = 32
 # Starts first: while many sessions of this process are between their handshake and their
 # InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
 # up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
-# fewer handshakes outlast daphne's 5 s (a 403) or the worker's patience (a retry, more
-# load); the frames' work is the same, only later. A few starts at a time hold nothing back.
+# fewer handshakes outlast daphne's handshake timeout (a 403) or the worker's patience (a
+# retry, more load); the frames' work is the same, only later. A few starts at a time hold
+# nothing back.
 STARTS_FIRST_SECS = 5.0
 STORM_STARTS = 8
 
@@ -49,6 +50,41 @@ class Starts:
         if not self.calm.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.calm.wait(), STARTS_FIRST_SECS)
+
+
+class SessionStart:
+    """One session's start, counted among its loop's pending ones from its handshake to its
+    InitAck, and for STARTS_FIRST_SECS at most: a worker that never sends its capabilities must
+    not hold the other sessions' frames back for longer."""
+
+    def __init__(self):
+        self.under_way = False
+        self._starts: Starts | None = None
+
+    def begin(self):
+        self.under_way = True
+        self._starts = session_starts()
+        self._starts.begin()
+        asyncio.get_running_loop().call_later(STARTS_FIRST_SECS, self.end)
+
+    def end(self):
+        if self.under_way:
+            self.under_way = False
+            self._starts.end()
+
+    @contextlib.contextmanager
+    def ended_if_failed(self):
+        try:
+            yield
+        except BaseException:
+            self.end()
+            raise
+
+    async def wait_for_calm(self):
+        """A started session's work waits while a storm of other starts is pending; its own
+        start does not."""
+        if not self.under_way:
+            await session_starts().wait_for_calm()
 
 
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
 from gradient.wire.groups import worker_group
-from sessions import consumer
+from sessions import presence
 from tests.factories import WorkerFactory
 from tests.sessions.conftest import Session
 from workers.models import IdleSlot, Worker, hash_token
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 async def test_a_live_session_gets_back_into_its_group_after_the_layer_lost_it(
     memory_layer, monkeypatch
 ):
-    monkeypatch.setattr(consumer, "TOUCH_EVERY_SECS", 0.0)  # every frame is a liveness touch
+    monkeypatch.setattr(presence, "TOUCH_EVERY_SECS", 0.0)  # every frame is a liveness touch
     worker = await sync_to_async(WorkerFactory)(name="w", token_hash=hash_token("t"))
     session = Session("t")
     assert (await session.connect())[0]

@@ -5,15 +5,17 @@ disconnect."""
 
 import asyncio
 import threading
+import uuid
 
 import psycopg
 import pytest
 from django.db import connection
 
 from gradient.jobs.models import DispatchedJob
-from gradient.wire.protocol import JobScores, RequestJob
-from sessions.consumer import WorkerConsumer
-from sessions.frame_queue import FrameQueue
+from gradient.wire.protocol import AssignJobResponse, JobCompleted, JobScores, RequestJob
+from sessions.frame_queue import FrameQueue, Touch
+from sessions.lanes import Lanes
+from sessions.requests import Requests
 from tests.factories import BuildFactory, EvaluationFactory
 from tests.sessions.session_db import q
 
@@ -170,30 +172,65 @@ async def test_a_failing_frame_ends_the_queue_and_reports_it():
     await queue.stop()
 
 
+def lanes_of(handle, slots=None, singles=()) -> tuple[Lanes, Requests]:
+    """A session's lanes, with its Requests knowing the worker's slots and the single jobs it
+    gave out."""
+
+    async def failed(frame):
+        raise AssertionError(frame)
+
+    requests = Requests(1, reply=None, queue=None)
+    requests.slots = slots or {"eval": 1, "build": 1}
+    requests.singles.update(singles)
+    return Lanes("w", handle, failed, requests), requests
+
+
 async def test_a_resent_request_beyond_the_slots_of_its_kind_is_not_queued():
-    consumer = WorkerConsumer()
-    consumer.slots = {"eval": 1, "build": 2}
-    consumer.last_report = None
     started, blocked = asyncio.Event(), threading.Event()
 
     async def handle(frame):
         started.set()
         await asyncio.to_thread(blocked.wait, 5)
 
-    async def failed(frame):
-        raise AssertionError(frame)
-
-    consumer.bulk = FrameQueue("bulk", handle, failed)
-    consumer.queue_bulk(RequestJob(kind="eval"))
+    lanes, _ = lanes_of(handle, slots={"eval": 1, "build": 2})
+    lanes.put(RequestJob(kind="eval"))
     await asyncio.wait_for(started.wait(), 5)  # under way
     for kind in ("eval", "eval", "eval", "build", "build", "build"):
-        consumer.queue_bulk(RequestJob(kind=kind))
-    consumer.queue_bulk(JobScores(scores=[]))
-    assert consumer.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "eval") == 1
-    assert consumer.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "build") == 2
-    assert consumer.bulk.waiting(lambda m: isinstance(m, JobScores)) == 1
+        lanes.put(RequestJob(kind=kind))
+    lanes.put(JobScores(scores=[]))
+    assert lanes.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "eval") == 1
+    assert lanes.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == "build") == 2
+    assert lanes.bulk.waiting(lambda m: isinstance(m, JobScores)) == 1
     blocked.set()
-    await consumer.bulk.stop()
+    await lanes.stop()
+
+
+async def test_a_members_answer_overtakes_reports_and_a_single_jobs_answer_queues_behind_them():
+    """Frames routed by kind: the answer to a job this session gave out is a report, the
+    answer to a member an acceptance, which overtakes the reports before it; the session's
+    touch waits for no report, a request for work does."""
+    completed, single, member = (f"build:{uuid.uuid4()}" for _ in range(3))
+    gate = asyncio.Event()
+    handled = []
+
+    async def handle(frame):
+        if isinstance(frame, JobCompleted):
+            await gate.wait()
+        handled.append(frame)
+
+    lanes, _ = lanes_of(handle, singles={single})
+    done = JobCompleted(job_id=completed, assignment_id=str(uuid.uuid4()), elapsed_ms=5)
+    answers = [AssignJobResponse(job_id=job, accepted=True) for job in (single, member)]
+    touch, request = Touch(liveness=False), RequestJob(kind="build")
+    for frame in (done, *answers, touch, request):
+        lanes.put(frame)
+    assert await until(lambda: len(handled) == 2)
+    assert {id(frame) for frame in handled} == {id(answers[1]), id(touch)}
+    assert lanes.reports.waiting(lambda frame: True) == 1  # the single's answer, behind
+    gate.set()
+    assert await until(lambda: len(handled) == 5)
+    assert handled[2:] == [done, answers[0], request]
+    await lanes.stop()
 
 
 class RowLocks:

@@ -85,9 +85,9 @@ async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_t
 ):
     """Every frame is a touch here (the group joined again), but last_seen_at is written, and
     the token checked, once per touch period (2 s for a timeout of 8 s)."""
-    from sessions import consumer
+    from sessions import presence
 
-    monkeypatch.setattr(consumer, "TOUCH_EVERY_SECS", 0.0)
+    monkeypatch.setattr(presence, "TOUCH_EVERY_SECS", 0.0)
     settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 8}
     worker, session = await worker_session()
     await session.connect()
@@ -134,3 +134,25 @@ async def test_a_session_writes_liveness_once_a_period_and_then_sees_a_revoked_t
     await session.send({"type": "Draining"})
     assert await session.ws.receive_output(3) == {"type": "websocket.close", "code": 4403}
     await session.close()
+
+
+def test_a_session_touches_every_few_seconds_of_frames_and_writes_liveness_once_a_period(
+    settings,
+):
+    """A frame brings a touch (the group joined again) once TOUCH_EVERY_SECS have passed since
+    the last; liveness is written at the first touch a whole touch period after the last write
+    (the attach counts as one)."""
+    from sessions.frame_queue import Touch
+    from sessions.presence import TOUCH_EVERY_SECS, Presence
+
+    settings.GRADIENT = {**settings.GRADIENT, "WORKER_TIMEOUT_SECS": 48}  # a write every 12 s
+    presence = Presence(None, 1, "w", "channel")
+    presence.touched = presence.seen = 100.0  # as attach() leaves them
+    step = TOUCH_EVERY_SECS
+    assert presence.due(100.0 + step - 0.1) is None
+    assert presence.due(100.0 + step) == Touch(liveness=False)
+    assert presence.due(100.0 + step + 1) is None  # counted from the last touch
+    assert presence.due(100.0 + 2 * step) == Touch(liveness=False)
+    assert presence.due(112.0) is None  # a period since the write, but no touch due yet
+    assert presence.due(100.0 + 3 * step) == Touch(liveness=True)
+    assert presence.due(100.0 + 4 * step) == Touch(liveness=False)

@@ -109,3 +109,23 @@ async def test_the_session_a_new_one_replaces_is_told_once_the_storm_of_starts_i
     closed = await first.ws.receive_output(3)
     assert closed == {"type": "websocket.close", "code": 4409}
     await second.close()
+
+
+async def test_a_start_that_never_sends_its_capabilities_holds_the_others_back_for_a_while_only(
+    monkeypatch,
+):
+    """A start counts among the pending ones for STARTS_FIRST_SECS at most; ended then or at
+    its InitAck, it is counted off once."""
+    from sessions import starts
+
+    monkeypatch.setattr(starts, "STARTS_FIRST_SECS", 0.2)
+    pending = session_starts()
+    stuck = [starts.SessionStart() for _ in range(STORM_STARTS + 1)]
+    for start in stuck:
+        start.begin()
+    assert not pending.calm.is_set() and pending.pending == STORM_STARTS + 1
+    await asyncio.wait_for(pending.calm.wait(), 5)  # their time ran out
+    assert pending.pending == 0
+    for start in stuck:
+        start.end()  # the InitAck after all, or the disconnect
+    assert pending.pending == 0 and pending.calm.is_set()
