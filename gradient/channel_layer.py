@@ -95,7 +95,7 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
 
     async def group_add(self, group, channel):
         """channels-redis's group_add in one round trip instead of two: every session joins
-        its group again at each touch (sessions/consumer.py), hundreds a second on a big fleet."""
+        its group again at each touch (sessions/presence.py), hundreds a second on a big fleet."""
         assert self.require_valid_group_name(group), "Group name not valid"
         assert self.require_valid_channel_name(channel), "Channel name not valid"
         key = self._group_key(group)
