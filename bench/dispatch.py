@@ -4,30 +4,14 @@
                                        [--history N] [--only pass|gang]
                                        [--write docs/benchmarks.md]
 
-Dispatch pass: C ready clusters of 4 members (2 eval + 2 build) over W connected workers with
-live idle slots in 3 zones, written straight into the tables (no sessions: channel_name and
-idle_slot rows are set directly), with the in-memory channel layer (no Redis).
-`run_pass()` is timed as a whole and, through wrappers around what it calls, piece by piece.
-The first grid point runs again with --history finished clusters kept behind the ready ones.
-
-Gang-start latency: a daphne and a Celery worker + beat as subprocesses (dispatch interval left
-at 5 s, so the measured path is the wake-up) and reference workers (SimulatedWorker) in this
-process. Each trial queues a cluster of 2 to 4 members while only members - 1 seats are idle,
-then frees the last worker: from its RequestJob to StartCluster at every member.
-
-It uses its own database (--database, default gradient_bench; created and migrated when
-missing, emptied at the start) and Redis database 9.
+The methods are in docs/benchmarks.md, "Dispatch pass" and "Gang-start latency".
 """
 
-import argparse
 import asyncio
-import logging
 import random
 import re
-import shlex
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from datetime import datetime, timedelta
@@ -40,13 +24,9 @@ from bench import _common as common
 ZONES = ("zone-a", "zone-b", "zone-c")
 SCORED = 0.20  # share of (worker, member job) pairs with a score
 REDIS_DB = 9
-PASS_SECTION = "## Dispatch pass"
-GANG_SECTION = "## Gang-start latency"
 PASS_TARGET_SECS = 1.0
 PASS_TARGETS = ((1000, 5000), (2000, 5000))  # (ready clusters, workers) under PASS_TARGET_SECS
 GANG_TARGET_MS = 100.0
-# Their names in bench/run, which their summary rows carry.
-PASS_BENCH, GANG_BENCH = "dispatch-pass", "gang-start"
 
 
 # Dispatch pass
@@ -60,33 +40,22 @@ def populate(clusters: int, workers: int, history: int = 0) -> dict:
 
     from clusters.models import ClusterJob, ClusterMember
     from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
-    from workers.models import Worker
 
     rng = random.Random(42)
-    now = timezone.now()
     p1, p2 = Project.objects.bulk_create([Project(name="bench-1"), Project(name="bench-2")])
-    made = Worker.objects.bulk_create(
-        Worker(
-            name=f"w-{i}",
-            token_hash=f"{i:064x}",
-            all_projects=i % 10 != 0,  # a tenth may take jobs of project 1 only
-            architectures=["x86_64-linux"] + (["aarch64-linux"] if i % 10 == 5 else []),
-            system_features=["kvm"] if i % 4 == 1 else [],
-            max_concurrent_builds=1,
-            max_concurrent_evals=1,
-            can_eval=i % 20 != 7,  # a twentieth builds only
-            can_build=True,
-            zone=ZONES[i % 3],
-            channel_name=f"bench.channel!{i}",
-            connected_at=now,
-            last_seen_at=now,
-        )
-        for i in range(workers)
-    )
-    Worker.projects.through.objects.bulk_create(
-        Worker.projects.through(worker_id=w.pk, project_id=p1.pk)
-        for i, w in enumerate(made)
-        if i % 10 == 0
+    common.make_workers(
+        (f"w-{i}" for i in range(workers)),
+        lambda i: None if i % 10 else p1,  # a tenth may take jobs of project 1 only
+        connected=True,
+        each=lambda i: {
+            "architectures": ["x86_64-linux"] + (["aarch64-linux"] if i % 10 == 5 else []),
+            "system_features": ["kvm"] if i % 4 == 1 else [],
+            "can_eval": i % 20 != 7,  # a twentieth builds only
+            "zone": ZONES[i % 3],
+        },
+        max_concurrent_builds=1,
+        max_concurrent_evals=1,
+        can_build=True,
     )
     # Pins go to distinct workers that could seat them (i = 3 mod 10: any project, evals).
     pin_every = 10
@@ -325,14 +294,9 @@ def time_target() -> float:
 
 
 def bench_pass(grid: list[tuple[int, int, int]], repeat: int) -> list[dict]:
-    from channels.layers import channel_layers
-    from django.conf import settings
-
     from gradient import heap
 
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    channel_layers.backends.clear()
-    logging.getLogger("clusters").setLevel(logging.WARNING)  # a line per claim is noise here
+    common.in_memory_layer()
     # As a Celery pool process runs the pass (clusters.tasks.settle_heap): with the default
     # collector thresholds, collections over the bench's heap took a fifth of a large pass.
     heap.settle()
@@ -377,21 +341,11 @@ def summarize_pass(clusters: int, workers: int, scores: int, runs: list[dict]) -
     }
 
 
-PASS_HEADER = [
-    "ready clusters x workers",
-    "scores",
-    "runs",
-    "placed",
-    "pass median s",
-    "pass max s",
-    "startable_clusters",
-    "snapshot",
-    "plan",
-    "claims + sends (overlapping)",
-    "wait",
-    "other",
-    "reservation target s",
-]
+PASS_HEADER = (
+    "ready clusters x workers | scores | runs | placed | pass median s | pass max s"
+    " | startable_clusters | snapshot | plan | claims + sends (overlapping) | wait | other"
+    " | reservation target s"
+)
 
 
 def pass_row(r: dict) -> list:
@@ -421,56 +375,6 @@ def pass_figures(rows: list[dict]) -> list[common.Figure]:
         for r in rows
         if (r["clusters"], r["workers"]) in PASS_TARGETS and not r["history"]
     ]
-
-
-PASS_LEAD = (
-    "The wall time of one dispatch pass, `run_pass()` (`clusters.dispatch`), over C ready clusters"
-    " and W connected idle workers, and its pieces (see `bench/dispatch.py`)."
-)
-
-
-def pass_method(repeat: int) -> list[str]:
-    return [
-        "Clusters: 4 members each (2 evaluations, 2 builds); a third same_zone, a tenth with a"
-        " pinned member; some members need `kvm` or `aarch64-linux`.",
-        "Workers: in 3 zones, each with live idle slots of both kinds (builds only for the"
-        " twentieth that cannot evaluate); a tenth may take one project only.",
-        f"Scores: {SCORED:.0%} of the (worker, member job) pairs have a job_score row (about 4"
-        " million at 1,000 x 5,000), vacuumed and checkpointed once written, as autovacuum and"
-        " the checkpointer would.",
-        "No sessions: rows are written straight into the tables, and the frames go to the"
-        " in-memory channel layer, one send per worker (a pass's sends took about 8% of the"
-        " process's Python at 2,000 x 5,000; production sends them in one batched Redis call).",
-        f"Timed: medians over {repeat} passes after a warm-up pass, each from the same state"
-        " (every claim undone, every idle slot fresh), in a process whose collector is set as"
-        " a Celery pool process's (`gradient.heap.settle()`).",
-        "Pieces, from wrappers around what `run_pass` calls: `startable_clusters` (the book);"
-        " `snapshot` (the idle workers); `plan` (producing the placements, waits for scores"
-        " included); `claims` (the three claimer threads' time, summed, overlapping the plan);"
-        " `wait` (from the last placement to the last claim); other (the advisory lock,"
-        " `expire_overdue_prepares`, the reservation pass). The pass is the sum of all but"
-        " `claims`.",
-        "Reservation target: apart from the pass, before it, `first_target` for the book's"
-        " first cluster (clusters.reservation), as a pass computes it for an overdue cluster"
-        " when no reservation is active: the planner's match over every connected worker.",
-        "Where the time goes: the reader takes the 129 cheapest scores of each member job from"
-        " `idx-job_score-job-size` alone (about half a million index entries at 1,000 x 5,000);"
-        " once the fleet is nearly full, a cluster its few free workers cannot seat reads no"
-        " more; nine clusters in ten are seated without the solver; each batch of 128"
-        ' placements is claimed in a handful of set-based statements (docs/design.md, "The'
-        ' dispatch pass on five threads").',
-        "History: the smallest size again with finished clusters kept behind the ready ones"
-        " (Completed, their attempt Succeeded, their four jobs Completed), as a server keeps"
-        ' them until retention: the pass reads none of them (docs/design.md, "The cluster'
-        " book reads each cluster's own rows\").",
-        "Target (issue #18): under 1 s at 1,000 x 5,000 and at 2,000 x 5,000.",
-    ]
-
-
-def pass_section(command: str, rows: list[dict], repeat: int, load: str) -> str:
-    body = common.table(PASS_HEADER, [pass_row(r) for r in rows])
-    facts = common.run_facts(command, load)
-    return common.section_text(PASS_SECTION, PASS_LEAD, pass_method(repeat), facts, body)
 
 
 # Gang-start latency
@@ -505,26 +409,19 @@ class LastWorker:
 
 async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
     from asgiref.sync import sync_to_async
-    from django.db import connection
 
     from clusters.models import ClusterJob, ClusterStatus
     from clusters.submission import MemberSpec, submit_cluster
     from gradient.jobs.models import Project
     from gradient.jobs.submission import JobSpec
-    from workers.models import IdleSlot, Worker, hash_token
+    from workers.models import IdleSlot
     from workers.simulator import EventLog, SimulatedWorker, WorkerConfig
 
     class GatedWorker(LastWorker, SimulatedWorker):
         pass
 
     def q(fn):
-        def run():
-            try:
-                return fn()
-            finally:
-                connection.close()
-
-        return sync_to_async(run)()
+        return sync_to_async(common.closing(fn))()
 
     # One group of k workers per cluster size k, each with a project of its own so a cluster
     # of one size can never sit on another group's workers: k - 1 take both kinds, the last
@@ -537,20 +434,14 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
     groups: dict[int, list] = {}
 
     def make_group(k):
-        project = Project.objects.create(name=f"gang-{k}")
-        for i in range(k):
-            worker = Worker.objects.create(
-                name=f"gang-{k}-{i}", token_hash=hash_token(f"t-gang-{k}-{i}"), all_projects=False
-            )
-            worker.projects.add(project)
+        names = [f"gang-{k}-{i}" for i in range(k)]
+        common.make_workers(names, Project.objects.create(name=f"gang-{k}"))
+        return names
 
     for k in (2, 3, 4):
-        await q(lambda k=k: make_group(k))
-        groups[k] = [
-            SimulatedWorker(f"gang-{k}-{i}", f"t-gang-{k}-{i}", quick, url, log)
-            for i in range(k - 1)
-        ]
-        gated = GatedWorker(f"gang-{k}-{k - 1}", f"t-gang-{k}-{k - 1}", last, url, log)
+        *names, name = await q(lambda k=k: make_group(k))
+        groups[k] = [SimulatedWorker(n, common.token(n), quick, url, log) for n in names]
+        gated = GatedWorker(name, common.token(name), last, url, log)
         gated.gate_init()
         groups[k].append(gated)
     everyone = [w for ws in groups.values() for w in ws]
@@ -641,25 +532,11 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
 
 def bench_gang(trials: int) -> dict:
     common.ensure_database()
-    env = common.process_env(GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS=5)
-    common.flush_redis(env["REDIS_URL"])
-    logs = Path(tempfile.mkdtemp(prefix="bench-gang-"))
-    procs = common.Processes(env, logs)
-    try:
-        port = common.free_port()
-        procs.daphne(port)
-        procs.celery()
-        results = asyncio.run(gang_trials(f"ws://127.0.0.1:{port}/proto", trials, logs))
-        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
-        crashed = common.crashes(procs.log_text("daphne")) + common.crashes(
-            procs.log_text("celery-worker")
-        )
+    with common.stack("gang", GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS=5) as procs:
+        results = asyncio.run(gang_trials(procs.url, trials, procs.logs))
+        crashed, _ = procs.problems()
         passes = claiming_passes(procs.log_text("celery-worker"))
-    finally:
-        procs.stop()
-        common.flush_redis(env["REDIS_URL"])
-    print(f"logs in {logs}; {len(crashed)} traceback line(s)", flush=True)
-    return {"results": results, "crashes": len(crashed), "logs": str(logs), "passes": passes}
+    return {"results": results, "crashes": len(crashed), "passes": passes}
 
 
 def claiming_passes(log: str) -> list[float]:
@@ -668,14 +545,10 @@ def claiming_passes(log: str) -> list[float]:
     return [float(x) * 1000 for x in re.findall(pattern, log)]
 
 
-GANG_HEADER = [
-    "members",
-    "trials",
-    "AssignJob at every member, median ms",
-    "p95 ms",
-    "StartCluster at every member, median ms",
-    "p95 ms",
-]
+GANG_HEADER = (
+    "members | trials | AssignJob at every member, median ms | p95 ms"
+    " | StartCluster at every member, median ms | p95 ms"
+)
 
 
 def gang_rows(results: list[dict]) -> list[list]:
@@ -692,10 +565,11 @@ def gang_rows(results: list[dict]) -> list[list]:
             [
                 label,
                 len(subset),
-                f"{statistics.median(assigned):.1f}",
-                f"{common.percentile(assigned, 95):.1f}",
-                f"{statistics.median(started):.1f}",
-                f"{common.percentile(started, 95):.1f}",
+                *(
+                    f"{common.percentile(xs, p):.1f}"
+                    for xs in (assigned, started)
+                    for p in (50, 95)
+                ),
             ]
         )
     return rows
@@ -715,54 +589,17 @@ def gang_figures(results: list[dict]) -> list[common.Figure]:
     ]
 
 
-GANG_LEAD = (
-    "From the RequestJob that completes a placement to StartCluster at every member, on the real"
-    " stack (see `bench/dispatch.py`)."
-)
-
-
-def gang_method() -> list[str]:
-    return [
-        "Stack: daphne (`gradient.serve`), one Celery worker (`-c 2`) and beat as subprocesses on"
-        f" the bench database and Redis database {REDIS_DB}. The dispatch interval is left at 5 s,"
-        " so the path measured is the wake-up: the RequestJob unanswered, the idle slot recorded,"
-        " the dispatch task queued (only while a cluster waits for seats), the pass, the claim,"
-        " AssignJob, every AssignJobResponse, StartCluster.",
-        "Workers: reference workers (`SimulatedWorker`, real WebSockets) in the script's event"
-        " loop, a group per cluster size with a project of its own.",
-        "A trial: a cluster of 2, 3 or 4 members (evaluations and builds) while its group's last"
-        " worker holds back its RequestJob, so only members - 1 seats are idle; once their idle"
-        " slots are recorded, the last worker sends its RequestJob and the clock starts.",
-        "A row: times on the workers' one clock, to the latest member's AssignJob and the latest"
-        " member's StartCluster; median and p95 over the trials of that size. A member's"
-        " acceptance is one statement; the last one's also starts the attempt.",
-        f"Target: median under {GANG_TARGET_MS:.0f} ms, over all trials.",
-    ]
-
-
-def gang_section(command: str, gang: dict) -> str:
-    facts = [
-        *pass_note(gang["passes"]),
-        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
-        f" `raised unexpected` in Celery's): {gang['crashes']}.",
-        *common.run_facts(command, gang["load"]),
-    ]
-    body = common.table(GANG_HEADER, gang_rows(gang["results"]))
-    return common.section_text(GANG_SECTION, GANG_LEAD, gang_method(), facts, body)
-
-
 def pass_note(passes: list[float]) -> list[str]:
     if not passes:
         return []
     return [
         f"The woken dispatch passes that claimed ({len(passes)}, Celery's own timing): median"
-        f" {statistics.median(passes):.0f} ms, p95 {common.percentile(passes, 95):.0f} ms."
+        f" {common.percentile(passes, 50):.0f} ms, p95 {common.percentile(passes, 95):.0f} ms."
     ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
+    parser = common.parser(__doc__, redis_db=REDIS_DB)
     parser.add_argument("--grid", default="100x500,1000x5000,2000x5000", type=common.parse_grid)
     parser.add_argument("--repeat", type=int, default=5, help="timed passes per grid point")
     parser.add_argument(
@@ -773,31 +610,32 @@ def main() -> None:
     )
     parser.add_argument("--trials", type=int, default=60, help="gang-start trials")
     parser.add_argument("--only", choices=("pass", "gang"))
-    parser.add_argument("--write", type=Path, help="update the sections in this markdown file")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/dispatch.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
-    print(command, flush=True)
+    common.start(args)
     if args.only != "gang":
         before = common.load()
         grid = [(c, w, 0) for c, w in args.grid]
         if args.history:
             grid.insert(1, (*args.grid[0], args.history))
         rows = bench_pass(grid, args.repeat)
-        load = f"{before} at the start, {common.load()} at the end"
-        print(common.table(PASS_HEADER, [pass_row(r) for r in rows]), flush=True)
-        if args.write:
-            section = pass_section(command, rows, args.repeat, load)
-            common.write_section(args.write, PASS_SECTION, section, PASS_BENCH, pass_figures(rows))
+        table = common.table(PASS_HEADER, [pass_row(r) for r in rows])
+        load = common.load_span(before)
+        common.finish(
+            args, "dispatch-pass", "## Dispatch pass", table, load=load, figures=pass_figures(rows)
+        )
     if args.only != "pass":
         before = common.load()
         gang = bench_gang(args.trials)
-        gang["load"] = f"{before} at the start, {common.load()} at the end"
-        print(common.table(GANG_HEADER, gang_rows(gang["results"])), flush=True)
-        if args.write:
-            section = gang_section(command, gang)
-            figures = gang_figures(gang["results"])
-            common.write_section(args.write, GANG_SECTION, section, GANG_BENCH, figures)
+        common.finish(
+            args,
+            "gang-start",
+            "## Gang-start latency",
+            common.table(GANG_HEADER, gang_rows(gang["results"])),
+            [*pass_note(gang["passes"]), common.crash_fact(gang["crashes"])],
+            gang_figures(gang["results"]),
+            load=common.load_span(before),
+            crashed=bool(gang["crashes"]),
+        )
 
 
 if __name__ == "__main__":
