@@ -34,12 +34,26 @@ DOC = ROOT / "docs" / "benchmarks.md"
 # Set-up
 
 
-def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9):
-    """The arguments every script takes: its database, its Redis database, --write DOC."""
+# Options more than one script takes: type and help.
+OPTIONS = {
+    "warmup": (float, "seconds before the window"),
+    "window": (float, "seconds measured"),
+    "connect_timeout": (float, "seconds to wait for the fleet"),
+    "settle_load": (float, "wait (5 minutes at most) for a load average below this; 0: not"),
+    "runs": (int, "runs of each size, in turn; the targets take the median"),
+}
+
+
+def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9, **defaults):
+    """The arguments every script takes (its database, its Redis database, --write DOC), and
+    those of OPTIONS it names, with their defaults."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--database", default=database, help="emptied by the run")
     p.add_argument("--redis-db", type=int, default=redis_db, help="flushed by the run")
     p.add_argument("--write", type=Path, help="update the figures in this markdown file")
+    for name, default in defaults.items():
+        kind, text = OPTIONS[name]
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     return p
 
 

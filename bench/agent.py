@@ -234,15 +234,9 @@ def figures(r: dict) -> list[common.Figure]:
 
 
 def main() -> None:
-    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB)
+    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB, settle_load=1.5)
     parser.add_argument("--trials", type=int, default=100, help="clusters of each size")
     parser.add_argument("--sizes", default="2,4,8", help="cluster sizes; one agent per seat")
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this first; 0: not",
-    )
     args = parser.parse_args()
     sizes = common.parse_ints(args.sizes)
     if args.trials < 1 or min(sizes) < 1:

@@ -38,7 +38,7 @@ def populate(clusters: int, workers: int, history: int = 0) -> dict:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.models import ClusterJob, ClusterMember
+    from clusters.models import ClusterJob
     from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
 
     rng = random.Random(42)
@@ -88,16 +88,8 @@ def populate(clusters: int, workers: int, history: int = 0) -> dict:
         for i, job in enumerate(jobs)
         for n in range(2)
     )
-    members = []
-    for i, job in enumerate(jobs):
-        pin = f"w-{(i // pin_every) * spacing + 3}" if i % pin_every == 0 else None
-        members += [
-            ClusterMember(cluster_job=job, evaluation=evals[2 * i], role="server", pin=pin),
-            ClusterMember(cluster_job=job, evaluation=evals[2 * i + 1], role="server"),
-            ClusterMember(cluster_job=job, derivation_build=builds[2 * i], role="client"),
-            ClusterMember(cluster_job=job, derivation_build=builds[2 * i + 1], role="client"),
-        ]
-    ClusterMember.objects.bulk_create(members, batch_size=5000)
+    pins = {i: f"w-{(i // pin_every) * spacing + 3}" for i in range(0, clusters, pin_every)}
+    add_members(jobs, evals, builds, pins)
     if history:
         keep_history(p1, history)
     with connection.cursor() as cursor:
@@ -133,7 +125,7 @@ def keep_history(project, count: int) -> None:
     attempt Succeeded, their four jobs Completed."""
     from django.utils import timezone
 
-    from clusters.models import ClusterAttempt, ClusterJob, ClusterMember
+    from clusters.models import ClusterAttempt, ClusterJob
     from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, EvaluationStatus
 
     now = timezone.now()
@@ -156,16 +148,27 @@ def keep_history(project, count: int) -> None:
             DerivationBuild(project=project, status=BuildStatus.COMPLETED)
             for _ in range(2 * len(done))
         )
-        ClusterMember.objects.bulk_create(
-            member
-            for i, c in enumerate(done)
-            for member in (
-                ClusterMember(cluster_job=c, evaluation=evals[2 * i], role="server"),
-                ClusterMember(cluster_job=c, evaluation=evals[2 * i + 1], role="server"),
-                ClusterMember(cluster_job=c, derivation_build=builds[2 * i], role="client"),
-                ClusterMember(cluster_job=c, derivation_build=builds[2 * i + 1], role="client"),
+        add_members(done, evals, builds)
+
+
+def add_members(clusters: list, evals: list, builds: list, pins: dict | None = None) -> None:
+    """Each cluster's 4 members: its 2 evaluations as servers (the first pinned to
+    pins[i], if any), its 2 builds as clients."""
+    from clusters.models import ClusterMember
+
+    ClusterMember.objects.bulk_create(
+        (
+            ClusterMember(
+                cluster_job=c, role=role, pin=(pins or {}).get(i) if n == 0 else None, **job
             )
-        )
+            for i, c in enumerate(clusters)
+            for n, (role, job) in enumerate(
+                [("server", {"evaluation": e}) for e in evals[2 * i : 2 * i + 2]]
+                + [("client", {"derivation_build": b}) for b in builds[2 * i : 2 * i + 2]]
+            )
+        ),
+        batch_size=5000,
+    )
 
 
 def reset_for_pass() -> None:

@@ -434,11 +434,8 @@ def figures(runs: list[Run]) -> list[common.Figure]:
 
 
 def main() -> None:
-    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB)
+    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB, runs=3)
     parser.add_argument("--depths", default="200,2000", help="queued clusters")
-    parser.add_argument(
-        "--runs", type=int, default=3, help="runs of each depth; the target takes the median"
-    )
     parser.add_argument("--workers", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10, help="passes before measuring")
     parser.add_argument("--passes", type=int, default=25, help="passes measured per depth")

@@ -401,22 +401,19 @@ def figures(results: list[dict], workers: int) -> list[common.Figure]:
 
 
 def main() -> None:
-    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB)
+    parser = common.parser(
+        __doc__,
+        DATABASE_URL,
+        REDIS_DB,
+        warmup=10.0,
+        window=30.0,
+        connect_timeout=120.0,
+        settle_load=1.5,
+    )
     parser.add_argument("--depths", default="500,20000", help="queued builds, one run each")
     parser.add_argument("--workers", type=int, default=100)
     parser.add_argument("--job-secs", default="0.2-0.6", metavar="LO-HI")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
     parser.add_argument("--samples", type=int, default=7, help="job_score counts in the window")
-    parser.add_argument(
-        "--connect-timeout", type=float, default=120.0, help="seconds to wait for the fleet"
-    )
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
-    )
     args = parser.parse_args()
     if args.samples < 2:
         parser.error("--samples must be at least 2 (the window's start and end)")

@@ -124,7 +124,7 @@ def main() -> None:
         f"{statistics.median(times):.2f}",
         f"{min(times):.2f} to {max(times):.2f}",
     ]
-    header = ["clusters deleted", "kept", "runs", "median s", "range s"]
+    header = "clusters deleted | kept | runs | median s | range s"
     common.finish(args, "retention", "## Retention pass", common.table(header, [row]))
 
 

@@ -221,7 +221,7 @@ def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) 
                 **per_call,
             }
         )
-        print(table_row(rows[-1]), flush=True)
+        print(" | ".join(table_row(rows[-1])), flush=True)
     return rows
 
 

@@ -559,27 +559,22 @@ def run_alone(count: int) -> dict:
 
 
 def main() -> None:
-    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB)
+    parser = common.parser(
+        __doc__,
+        DATABASE_URL,
+        REDIS_DB,
+        warmup=15.0,
+        window=30.0,
+        connect_timeout=180.0,
+        settle_load=1.5,
+        runs=3,
+    )
     # A run takes about a minute plus its connect time and the wait for a calm host.
     parser.add_argument("--fleets", default="100,200,500,1000")
-    parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the window")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
     parser.add_argument("--ramp", type=float, default=5.0, help="seconds to connect the fleet")
     parser.add_argument("--single-share", type=float, default=0.2)
-    parser.add_argument(
-        "--connect-timeout", type=float, default=180.0, help="seconds to wait for the fleet"
-    )
     parser.add_argument("--job-min", type=float, default=0.5)
     parser.add_argument("--job-max", type=float, default=1.5)
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
-    )
-    parser.add_argument(
-        "--runs", type=int, default=3, help="runs of each size; the targets take the median"
-    )
     parser.add_argument("--result-to", type=Path, help=argparse.SUPPRESS)  # one size's, as JSON
     args = parser.parse_args()
     fleets = common.parse_ints(args.fleets)
