@@ -29,10 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench"
-DOC = ROOT / "docs" / "benchmarks.md"
+LOAD_AT_START = ""  # set by start()
 
 # Set-up
-
 
 # Options more than one script takes: type and help.
 OPTIONS = {
@@ -57,36 +56,26 @@ def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9, **
     return p
 
 
-def start(args) -> str:
-    """Set Django up on the script's database and Redis database; print and return the command
-    that its figures quote, and the load average at its start (see `load_span`)."""
-    setup(args.database, args.redis_db)
+def start(args) -> None:
+    """Point Django at the script's database (never at an ambient DATABASE_URL) and Redis
+    database (metrics, wake-ups), and set it up; print the command its figures quote."""
     global LOAD_AT_START
     LOAD_AT_START = load()
     print(command(), flush=True)
-    return command()
-
-
-LOAD_AT_START = ""
-
-
-def command() -> str:
-    return shlex.join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-
-
-def setup(database_url: str, redis_db: int) -> None:
-    """Point Django at the bench database (never at an ambient DATABASE_URL) and at a Redis
-    database of the benchmark's own (metrics, wake-ups), and set it up."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from gradient.redis_db import redis_url  # reads no setting: Django is not set up yet
 
-    os.environ["DATABASE_URL"] = database_url
-    os.environ["REDIS_URL"] = redis_url(redis_db)
+    os.environ["DATABASE_URL"] = args.database
+    os.environ["REDIS_URL"] = redis_url(args.redis_db)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
     import django
 
     django.setup()
+
+
+def command() -> str:
+    return shlex.join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
 def ensure_database() -> None:
@@ -138,6 +127,40 @@ def analyze(vacuum: bool = False) -> None:
 
     with connection.cursor() as cursor:
         cursor.execute(f"{'VACUUM ' if vacuum else ''}ANALYZE {', '.join(project_tables())}")
+
+
+def warm_up(secs: float) -> None:
+    """A warm-up of `secs`, with statistics taken at its start and middle."""
+    analyze()
+    time.sleep(secs / 2)
+    analyze()
+    time.sleep(secs / 2)
+
+
+def count_by(rows, field: str) -> dict:
+    """How many of a queryset's rows hold each value of `field`."""
+    from django.db.models import Count
+
+    return dict(rows.values_list(field).annotate(n=Count("pk")))
+
+
+def connected(names: list[str] | None = None) -> int:
+    """How many workers (of these names) a session holds."""
+    from workers.models import Worker
+
+    rows = Worker.objects.filter(channel_name__isnull=False)
+    return (rows if names is None else rows.filter(name__in=names)).count()
+
+
+# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
+PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in ([0-9.]+)s: (\{.*\})")
+
+
+def passes(log: str) -> list[dict]:
+    """Every dispatch pass in a Celery worker's log: its result, and the task's seconds."""
+    import ast
+
+    return [{**ast.literal_eval(m[2]), "task_secs": float(m[1])} for m in PASS_LINE.finditer(log)]
 
 
 def settle(below: float, most_secs: float = 300.0) -> None:
@@ -311,6 +334,10 @@ class Processes:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
+
+    def groups(self) -> dict[str, list[int]]:
+        """The stack's processes, as a CpuMeter groups them."""
+        return {"daphne": self.pids("daphne"), "celery": self.pids("celery-worker", "celery-beat")}
 
     def log_text(self, name: str) -> str:
         path = self.logs / f"{name}.log"
@@ -548,6 +575,49 @@ def make_workers(
         if (p := pick(i)) is not None
     )
     return made
+
+
+def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 5000):
+    """Clusters in bulk, from (the cluster's fields, its members) pairs, a member being
+    (role, kind, its job's fields, its own fields) with kind "eval" or "build", its job in the
+    cluster's project. Returns the clusters and every member's job, in order."""
+    from clusters.models import ClusterJob, ClusterMember
+    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
+
+    shapes = list(shapes)
+    clusters = ClusterJob.objects.bulk_create(
+        (ClusterJob(**fields) for fields, _ in shapes), batch_size=batch_size
+    )
+    made = [
+        (c, role, Evaluation(project=c.project, **job), extra)
+        if kind == "eval"
+        else (
+            c,
+            role,
+            DerivationBuild(project=c.project, **{"status": BuildStatus.QUEUED, **job}),
+            extra,
+        )
+        for c, (_, members) in zip(clusters, shapes, strict=True)
+        for role, kind, job, extra in members
+    ]
+    jobs = [job for _, _, job, _ in made]
+    Evaluation.objects.bulk_create([j for j in jobs if isinstance(j, Evaluation)], batch_size)
+    DerivationBuild.objects.bulk_create(
+        [j for j in jobs if isinstance(j, DerivationBuild)], batch_size
+    )
+    ClusterMember.objects.bulk_create(
+        (
+            ClusterMember(
+                cluster_job=c,
+                role=role,
+                **extra,
+                **{"evaluation" if isinstance(job, Evaluation) else "derivation_build": job},
+            )
+            for c, role, job, extra in made
+        ),
+        batch_size=batch_size,
+    )
+    return clusters, jobs
 
 
 # Figures

@@ -59,14 +59,8 @@ def start_agents(procs: common.Processes, url: str, workers, tmp: Path) -> list[
             env=env,
         )
     names = [name for name, _ in workers]
-    common.until(lambda: connected(names), 60.0, "every agent connected")
+    common.until(lambda: common.connected(names) == len(names), 60.0, "every agent connected")
     return procs.pids(*names)
-
-
-def connected(names: list[str]) -> bool:
-    from workers.models import Worker
-
-    return Worker.objects.filter(name__in=names, channel_name__isnull=False).count() == len(names)
 
 
 def cluster_file(k: int, starts: Path, tmp: Path) -> Path:

@@ -62,22 +62,16 @@ SELECT (SELECT count(*) FROM attempt), (SELECT count(*) FROM claimed),
 def make_claim(project, size: int):
     """A fresh Queued cluster of size // 2 evaluations and the rest builds, one worker each."""
     from clusters.claim import ClusterClaim
-    from clusters.models import ClusterJob, ClusterMember
     from gradient.jobs.claim import Assignment, ClaimGate
-    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, JobKind
+    from gradient.jobs.models import JobKind
 
-    cluster = ClusterJob.objects.create(project=project)
-    evals = Evaluation.objects.bulk_create(Evaluation(project=project) for _ in range(size // 2))
-    builds = DerivationBuild.objects.bulk_create(
-        DerivationBuild(project=project, status=BuildStatus.QUEUED) for _ in range(size - size // 2)
-    )
-    ClusterMember.objects.bulk_create(
-        [ClusterMember(cluster_job=cluster, evaluation=e, role="eval") for e in evals]
-        + [ClusterMember(cluster_job=cluster, derivation_build=b, role="build") for b in builds]
-    )
+    evals = size // 2
+    shape = [("eval", "eval", {}, {})] * evals + [("build", "build", {}, {})] * (size - evals)
+    (cluster,), jobs = common.make_clusters([({"project": project}, shape)])
     workers = common.make_workers(f"bench-{uuid.uuid4()}" for _ in range(size))
-    gates = [ClaimGate(JobKind.EVAL, e.pk) for e in evals]
-    gates += [ClaimGate(JobKind.BUILD, b.pk) for b in builds]
+    gates = [
+        ClaimGate(JobKind.EVAL if i < evals else JobKind.BUILD, j.pk) for i, j in enumerate(jobs)
+    ]
     members = [Assignment(g, w.pk, project.pk) for g, w in zip(gates, workers, strict=True)]
     return ClusterClaim(cluster_id=cluster.pk, members=members)
 

@@ -9,7 +9,6 @@ The methods are in docs/benchmarks.md, "Dispatch pass" and "Gang-start latency".
 
 import asyncio
 import random
-import re
 import statistics
 import sys
 import threading
@@ -38,8 +37,7 @@ def populate(clusters: int, workers: int, history: int = 0) -> dict:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.models import ClusterJob
-    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, Project
+    from gradient.jobs.models import Project
 
     rng = random.Random(42)
     p1, p2 = Project.objects.bulk_create([Project(name="bench-1"), Project(name="bench-2")])
@@ -63,33 +61,29 @@ def populate(clusters: int, workers: int, history: int = 0) -> dict:
     # Every cluster was offered to the fleet a while ago (clusters.asking), and a fifth of the
     # pairs answered: the pass places on those scores rather than wait for more.
     offered = timezone.now() - timedelta(minutes=5)
-    jobs = ClusterJob.objects.bulk_create(
-        ClusterJob(
-            project=p1 if i % 2 else p2,
-            same_zone=i % 3 == 0,
-            prioritized=i % 20 == 0,
-            offered_at=offered,
-        )
-        for i in range(clusters)
-    )
-    evals = Evaluation.objects.bulk_create(
-        Evaluation(project=job.project, prioritized=i % 20 == 0 and n == 0)
-        for i, job in enumerate(jobs)
-        for n in range(2)
-    )
-    builds = DerivationBuild.objects.bulk_create(
-        DerivationBuild(
-            project=job.project,
-            status=BuildStatus.QUEUED,
-            architecture="aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
-            required_features=["kvm"] if i % 10 == 4 and n == 1 else [],
-            cache_available=rng.random() < 0.1,
-        )
-        for i, job in enumerate(jobs)
-        for n in range(2)
-    )
-    pins = {i: f"w-{(i // pin_every) * spacing + 3}" for i in range(0, clusters, pin_every)}
-    add_members(jobs, evals, builds, pins)
+
+    def shape(i: int) -> tuple[dict, list[tuple]]:
+        cluster = {"project": p1 if i % 2 else p2, "same_zone": i % 3 == 0}
+        cluster.update(prioritized=i % 20 == 0, offered_at=offered)
+        pin = f"w-{(i // pin_every) * spacing + 3}" if i % pin_every == 0 else None
+        evals = [("server", "eval", {"prioritized": i % 20 == 0 and n == 0}, {}) for n in range(2)]
+        evals[0][3]["pin"] = pin
+        builds = [
+            (
+                "client",
+                "build",
+                {
+                    "architecture": "aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
+                    "required_features": ["kvm"] if i % 10 == 4 and n == 1 else [],
+                    "cache_available": rng.random() < 0.1,
+                },
+                {},
+            )
+            for n in range(2)
+        ]
+        return cluster, evals + builds
+
+    common.make_clusters(shape(i) for i in range(clusters))
     if history:
         keep_history(p1, history)
     with connection.cursor() as cursor:
@@ -125,50 +119,21 @@ def keep_history(project, count: int) -> None:
     attempt Succeeded, their four jobs Completed."""
     from django.utils import timezone
 
-    from clusters.models import ClusterAttempt, ClusterJob
-    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation, EvaluationStatus
+    from clusters.models import ClusterAttempt
+    from gradient.jobs.models import BuildStatus, EvaluationStatus
 
     now = timezone.now()
+    done = {"project": project, "status": "Completed", "attempts": 1}
+    members = [("server", "eval", {"status": EvaluationStatus.COMPLETED}, {})] * 2
+    members += [("client", "build", {"status": BuildStatus.COMPLETED}, {})] * 2
     for first in range(0, count, 10_000):
-        done = ClusterJob.objects.bulk_create(
-            ClusterJob(project=project, status="Completed", attempts=1)
-            for _ in range(min(10_000, count - first))
-        )
+        made, _ = common.make_clusters([(done, members)] * min(10_000, count - first))
         ClusterAttempt.objects.bulk_create(
             ClusterAttempt(
                 cluster_job=c, created_at=now, started_at=now, finished_at=now, outcome="Succeeded"
             )
-            for c in done
+            for c in made
         )
-        evals = Evaluation.objects.bulk_create(
-            Evaluation(project=project, status=EvaluationStatus.COMPLETED)
-            for _ in range(2 * len(done))
-        )
-        builds = DerivationBuild.objects.bulk_create(
-            DerivationBuild(project=project, status=BuildStatus.COMPLETED)
-            for _ in range(2 * len(done))
-        )
-        add_members(done, evals, builds)
-
-
-def add_members(clusters: list, evals: list, builds: list, pins: dict | None = None) -> None:
-    """Each cluster's 4 members: its 2 evaluations as servers (the first pinned to
-    pins[i], if any), its 2 builds as clients."""
-    from clusters.models import ClusterMember
-
-    ClusterMember.objects.bulk_create(
-        (
-            ClusterMember(
-                cluster_job=c, role=role, pin=(pins or {}).get(i) if n == 0 else None, **job
-            )
-            for i, c in enumerate(clusters)
-            for n, (role, job) in enumerate(
-                [("server", {"evaluation": e}) for e in evals[2 * i : 2 * i + 2]]
-                + [("client", {"derivation_build": b}) for b in builds[2 * i : 2 * i + 2]]
-            )
-        ),
-        batch_size=5000,
-    )
 
 
 def reset_for_pass() -> None:
@@ -412,6 +377,7 @@ class LastWorker:
 
 async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
     from asgiref.sync import sync_to_async
+    from django.utils import timezone
 
     from clusters.models import ClusterJob, ClusterStatus
     from clusters.submission import MemberSpec, submit_cluster
@@ -426,27 +392,33 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
     def q(fn):
         return sync_to_async(common.closing(fn))()
 
+    async def until(check, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not await check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trial stuck: {check.__name__}")
+            await asyncio.sleep(0.02)
+
     # One group of k workers per cluster size k, each with a project of its own so a cluster
     # of one size can never sit on another group's workers: k - 1 take both kinds, the last
     # takes builds only and starts gated.
-    quick = WorkerConfig(heartbeat_secs=2.0, job_secs=(0.05, 0.1), backoff=(0.05, 0.5))
-    last = WorkerConfig(
-        eval=False, max_evals=0, heartbeat_secs=2.0, job_secs=(0.05, 0.1), backoff=(0.05, 0.5)
-    )
+    quick = {"heartbeat_secs": 2.0, "job_secs": (0.05, 0.1), "backoff": (0.05, 0.5)}
     log = EventLog(str(log_dir / "workers.jsonl"))
     groups: dict[int, list] = {}
 
-    def make_group(k):
+    def make_group(k: int) -> list[str]:
         names = [f"gang-{k}-{i}" for i in range(k)]
         common.make_workers(names, Project.objects.create(name=f"gang-{k}"))
         return names
 
     for k in (2, 3, 4):
-        *names, name = await q(lambda k=k: make_group(k))
-        groups[k] = [SimulatedWorker(n, common.token(n), quick, url, log) for n in names]
-        gated = GatedWorker(name, common.token(name), last, url, log)
-        gated.gate_init()
-        groups[k].append(gated)
+        *names, last = await q(lambda k=k: make_group(k))
+        gated_config = WorkerConfig(eval=False, max_evals=0, **quick)
+        groups[k] = [
+            SimulatedWorker(n, common.token(n), WorkerConfig(**quick), url, log) for n in names
+        ]
+        groups[k].append(GatedWorker(last, common.token(last), gated_config, url, log))
+        groups[k][-1].gate_init()
     everyone = [w for ws in groups.values() for w in ws]
     tasks = [asyncio.create_task(w.run()) for w in everyone]
 
@@ -459,71 +431,51 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
     def seats_idle(k) -> bool:
         """Every ungated worker of the group holds a fresh idle slot of both kinds."""
         names = [w.name for w in groups[k][:-1]]
-        fresh = timezone_now() - timedelta(seconds=10)
-        return IdleSlot.objects.filter(
-            worker__name__in=names, recorded_at__gte=fresh
-        ).count() == 2 * len(names)
+        fresh = timezone.now() - timedelta(seconds=10)
+        idle = IdleSlot.objects.filter(worker__name__in=names, recorded_at__gte=fresh)
+        return idle.count() == 2 * len(names)
 
-    def timezone_now():
-        from django.utils import timezone
+    def events(w, marks, event):
+        return [e for e in list(w.events)[marks[id(w)] :] if e["event"] == event]
 
-        return timezone.now()
+    def first(w, marks, event):
+        return datetime.fromisoformat(events(w, marks, event)[0]["time"]).timestamp()
 
-    async def until(check, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while not await check():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"trial stuck: {check.__name__}")
-            await asyncio.sleep(0.02)
+    async def all_connected():
+        return all(w.connected for w in everyone)
 
     results = []
     try:
-
-        async def all_connected():
-            return all(w.connected for w in everyone)
-
         await until(all_connected)
         for trial in range(trials):
             k = (2, 3, 4)[trial % 3]
             group = groups[k]
-            gated = group[-1]
             cluster, _ = await q(lambda k=k: submit_cluster(f"gang-{k}", members(k)))
 
             async def ready(k=k):
                 return all(not w.jobs for w in groups[k]) and await q(lambda: seats_idle(k))
 
+            async def finished(pk=cluster.pk):
+                status = await q(lambda: ClusterJob.objects.get(pk=pk).status)
+                return status == ClusterStatus.COMPLETED
+
             await until(ready)
             await asyncio.sleep(0.2 + random.random() * 0.1)  # nothing in flight
             marks = {id(w): len(w.events) for w in group}
-            freed = await gated.free()
+            freed = await group[-1].free()
 
-            def started(w, marks=marks):
-                return [e for e in list(w.events)[marks[id(w)] :] if e["event"] == "started"]
-
-            async def all_started(group=group, started=started):
-                return all(started(w) for w in group)
+            async def all_started(group=group, marks=marks):
+                return all(events(w, marks, "started") for w in group)
 
             await until(all_started, timeout=20.0)
-
-            def first(w, event, marks=marks):
-                found = [e for e in list(w.events)[marks[id(w)] :] if e["event"] == event]
-                return datetime.fromisoformat(found[0]["time"]).timestamp()
-
-            assigned = max(first(w, "assigned") for w in group) - freed
-            start = max(first(w, "started") for w in group) - freed
+            assigned = max(first(w, marks, "assigned") for w in group) - freed
+            start = max(first(w, marks, "started") for w in group) - freed
             results.append({"k": k, "assigned_ms": assigned * 1000, "started_ms": start * 1000})
             print(
                 f"  trial {trial}: {k} members, AssignJob at all {assigned * 1000:.1f} ms,"
                 f" StartCluster at all {start * 1000:.1f} ms",
                 flush=True,
             )
-
-            def done(cluster_id=cluster.pk):
-                return ClusterJob.objects.get(pk=cluster_id).status == ClusterStatus.COMPLETED
-
-            async def finished(done=done):
-                return await q(done)
-
             await until(finished)
     finally:
         for w in everyone:
@@ -544,8 +496,7 @@ def bench_gang(trials: int) -> dict:
 
 def claiming_passes(log: str) -> list[float]:
     """Milliseconds of each dispatch pass that claimed a cluster, from Celery's log."""
-    pattern = r"clusters\.dispatch\[[^]]*\] succeeded in ([0-9.]+)s: \{'claimed': [1-9]"
-    return [float(x) * 1000 for x in re.findall(pattern, log)]
+    return [r["task_secs"] * 1000 for r in common.passes(log) if r["claimed"]]
 
 
 GANG_HEADER = (

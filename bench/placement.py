@@ -154,33 +154,21 @@ class Queue:
         self.paths: dict[str, list[str]] = {}  # job key -> paths
 
     def add(self, count: int) -> None:
-        from clusters.models import ClusterJob, ClusterMember
-        from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
-
         rng = self.rng
-        clusters = ClusterJob.objects.bulk_create(
-            ClusterJob(project=self.project, same_zone=rng.random() < SAME_ZONE_SHARE)
-            for _ in range(count)
+        zoned = [rng.random() < SAME_ZONE_SHARE for _ in range(count)]
+        shapes = [[rng.random() < EVAL_SHARE for _ in range(rng.randint(2, 4))] for _ in zoned]
+        paths = [[rng.sample(self.POOL, rng.randint(*PATHS_PER_JOB)) for _ in s] for s in shapes]
+        _, jobs = common.make_clusters(
+            (
+                {"project": self.project, "same_zone": same_zone},
+                [
+                    ("node", "eval" if e else "build", {"paths": p}, {})
+                    for e, p in zip(s, ps, strict=True)
+                ],
+            )
+            for same_zone, s, ps in zip(zoned, shapes, paths, strict=True)
         )
-        shapes = [[rng.random() < EVAL_SHARE for _ in range(rng.randint(2, 4))] for _ in clusters]
-
-        def job(is_eval: bool):
-            paths = rng.sample(self.POOL, rng.randint(*PATHS_PER_JOB))
-            if is_eval:
-                return Evaluation(project=self.project, paths=paths)
-            return DerivationBuild(project=self.project, paths=paths, status=BuildStatus.QUEUED)
-
-        jobs = [job(is_eval) for shape in shapes for is_eval in shape]
         self.paths.update((j.job_key, j.paths) for j in jobs)
-        Evaluation.objects.bulk_create(j for j in jobs if isinstance(j, Evaluation))
-        DerivationBuild.objects.bulk_create(j for j in jobs if isinstance(j, DerivationBuild))
-        members, at = [], iter(jobs)
-        for cluster, shape in zip(clusters, shapes, strict=True):
-            for is_eval in shape:
-                job = next(at)
-                how = {"evaluation": job} if is_eval else {"derivation_build": job}
-                members.append(ClusterMember(cluster_job=cluster, role="node", **how))
-        ClusterMember.objects.bulk_create(members, batch_size=5000)
 
     def top_up(self, depth: int) -> None:
         from django.db import connection

@@ -88,12 +88,6 @@ class DepthFeeder(common.Feeder):
             self.submitted += submit(self.depth - n)
 
 
-def connected_workers() -> int:
-    from workers.models import Worker
-
-    return Worker.objects.filter(channel_name__isnull=False).count()
-
-
 def score_rows() -> tuple[int, int]:
     """job_score's rows, and those of them for builds still queued (the rest wait for the
     pruning pass)."""
@@ -129,20 +123,6 @@ def completed_since(since) -> int:
     return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
 
 
-def window_outcomes(since, until) -> Counter:
-    """The assignments that ended in the window, by outcome."""
-    from django.db.models import Count
-
-    from gradient.jobs.models import DispatchedJob
-
-    rows = (
-        DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
-    return Counter(dict(rows))
-
-
 def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -> dict:
     """The window, sampled from this thread: the backends' CPU, the depth and the active
     statements every OBSERVE_SECS, job_score at --samples evenly spaced times."""
@@ -172,7 +152,10 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     cpu = meter.stop()
     until, secs = timezone.now(), time.monotonic() - began
     feeder.measuring = False
-    ended = window_outcomes(since, until)
+    from gradient.jobs.models import DispatchedJob
+
+    window = DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
+    ended = common.count_by(window, "outcome")
     return {
         "window": secs,
         "completed": ended.get("Completed", 0),
@@ -189,19 +172,14 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
 
 
 def fleet_command(args, url: str) -> list[str]:
+    options = (
+        f"--count {args.workers} --prefix qd --no-eval --max-builds 1 --job-secs {args.job_secs}"
+    )
     return [
         str(common.VENV_BIN / "python"),
         "manage.py",
         "simulate_workers",
-        "--count",
-        str(args.workers),
-        "--prefix",
-        "qd",
-        "--no-eval",
-        "--max-builds",
-        "1",
-        "--job-secs",
-        args.job_secs,
+        *options.split(),
         "--url",
         url,
     ]
@@ -229,7 +207,7 @@ def wait_connected(args, fleet) -> float:
     def ready():
         if fleet.poll() is not None:
             raise RuntimeError(f"the fleet exited with {fleet.returncode}")
-        return connected_workers() >= args.workers
+        return common.connected() >= args.workers
 
     with suppress(TimeoutError):  # measured anyway, with how many were connected
         common.until(ready, args.connect_timeout, "whole fleet", tick=0.2)
@@ -262,20 +240,12 @@ def run_one(depth: int, args) -> dict:
         feeding.start()
         fleet = procs.start("fleet", *fleet_command(args, procs.url))
         connect_secs = wait_connected(args, fleet)
-        connected = connected_workers()
+        connected = common.connected()
         # Statistics again as the fleet's rows arrive (the database was emptied moments ago).
-        common.analyze()
-        time.sleep(args.warmup / 2)
-        common.analyze()
-        time.sleep(args.warmup / 2)
+        common.warm_up(args.warmup)
         # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
         own = [pid for pid in (backend_pid(), feeder.backend) if pid is not None]
-        groups = {
-            "daphne": procs.pids("daphne"),
-            "celery": procs.pids("celery-worker", "celery-beat"),
-            "fleet": procs.pids("fleet"),
-            "bench_postgres": own,
-        }
+        groups = {**procs.groups(), "fleet": procs.pids("fleet"), "bench_postgres": own}
         meter = common.CpuMeter(groups, this_process="bench", exclude_backends=own)
         result = measure(args, feeder, meter, own)
         feeder.stop.set()

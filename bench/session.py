@@ -29,7 +29,7 @@ def populate(workers: int, queued: int) -> list:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.models import ClusterJob, ClusterMember, ClusterStatus
+    from clusters.models import ClusterStatus
     from gradient.jobs.models import BuildStatus, DerivationBuild, Project
     from workers.models import IdleSlot
 
@@ -55,33 +55,17 @@ def populate(workers: int, queued: int) -> list:
     )
     # Seen able to start by a pass: only such clusters' members are offered. Behind them, as
     # many finished clusters (history until the retention pass), which no walk may read.
-    statuses = [ClusterStatus.QUEUED, ClusterStatus.COMPLETED]
-    clusters = ClusterJob.objects.bulk_create(
-        (
-            ClusterJob(project=members_of, status=status, waiting_since=now if live else None)
-            for status in statuses
-            for live in [status == ClusterStatus.QUEUED] * (queued // 4)
-        ),
-        batch_size=5000,
-    )
-    builds = DerivationBuild.objects.bulk_create(
-        (
-            DerivationBuild(
-                project=members_of,
-                status=BuildStatus.QUEUED if c.waiting_since else BuildStatus.COMPLETED,
+    queued_ = {"project": members_of, "status": ClusterStatus.QUEUED, "waiting_since": now}
+    finished = {"project": members_of, "status": ClusterStatus.COMPLETED}
+    common.make_clusters(
+        [(queued_, [(f"m{n}", "build", {}, {}) for n in range(2)])] * (queued // 4)
+        + [
+            (
+                finished,
+                [(f"m{n}", "build", {"status": BuildStatus.COMPLETED}, {}) for n in range(2)],
             )
-            for c in clusters
-            for _ in range(2)
-        ),
-        batch_size=5000,
-    )
-    ClusterMember.objects.bulk_create(
-        (
-            ClusterMember(cluster_job=c, derivation_build=builds[2 * i + n], role=f"m{n}")
-            for i, c in enumerate(clusters)
-            for n in range(2)
-        ),
-        batch_size=5000,
+        ]
+        * (queued // 4)
     )
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")

@@ -9,11 +9,9 @@ docs/benchmarks.md, "Sustained throughput".
 """
 
 import argparse
-import ast
 import asyncio
 import json
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -227,21 +225,12 @@ class Feeder(common.Feeder):
 
 def outcomes() -> dict:
     from django.db import connection
-    from django.db.models import Count
 
     from clusters.models import ClusterAttempt
     from gradient.jobs.models import DispatchedJob
 
-    jobs = dict(
-        DispatchedJob.objects.exclude(outcome__isnull=True)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
-    attempts = dict(
-        ClusterAttempt.objects.exclude(outcome__isnull=True)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
+    jobs = common.count_by(DispatchedJob.objects.exclude(outcome__isnull=True), "outcome")
+    attempts = common.count_by(ClusterAttempt.objects.exclude(outcome__isnull=True), "outcome")
     connection.close()
     return {"jobs": jobs, "attempts": attempts}
 
@@ -279,10 +268,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         # Statistics, as autovacuum keeps them on a database in use: this one was emptied
         # moments ago, and with row estimates of 1 PostgreSQL plans the candidates' anti-join
         # on dispatched_job as a scan of every open row per job (50 ms instead of 1).
-        await asyncio.to_thread(common.closing(common.analyze))
-        await asyncio.sleep(args.warmup / 2)
-        await asyncio.to_thread(common.closing(common.analyze))
-        await asyncio.sleep(args.warmup / 2)
+        await asyncio.to_thread(common.closing(lambda: common.warm_up(args.warmup)))
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
         await asyncio.to_thread(common.closing(meter.start))
@@ -353,12 +339,8 @@ def run_one(count: int, args) -> dict:
     common.settle(args.settle_load)
     load_before = common.load()
     with common.stack(f"throughput-{count}") as procs:
-        groups = {
-            "daphne": procs.pids("daphne"),
-            "celery": procs.pids("celery-worker", "celery-beat"),
-        }
         # This process alone is the fleet, with the feeder thread.
-        meter = common.CpuMeter(groups, this_process="fleet")
+        meter = common.CpuMeter(procs.groups(), this_process="fleet")
         result = asyncio.run(drive(procs.url, rows, args, feeder, meter))
         crashed, result["tracebacks"] = procs.problems()
         result["passes"] = dispatch_passes(procs.log_text("celery-worker"))
@@ -485,15 +467,10 @@ def rows(results: list[dict]) -> list[list]:
     return out
 
 
-# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
-PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in [0-9.]+s: (\{.*\})")
-
-
 def dispatch_passes(log: str) -> dict:
     """The passes that saw a ready cluster: how many, their median seconds, how many placed
     nothing, and the median of clusters ready."""
-    seen = [ast.literal_eval(m.group(1)) for m in PASS_LINE.finditer(log)]
-    seen = [r for r in seen if r["ready"]]
+    seen = [r for r in common.passes(log) if r["ready"]]
     if not seen:
         return {"count": 0}
     return {
