@@ -265,8 +265,7 @@ def bench_pass(grid: list[tuple[int, int, int]], repeat: int) -> list[dict]:
     from gradient import heap
 
     common.in_memory_layer()
-    # As a Celery pool process runs the pass (clusters.tasks.settle_heap): with the default
-    # collector thresholds, collections over the bench's heap took a fifth of a large pass.
+    # As a Celery pool process runs the pass (clusters.tasks.settle_heap).
     heap.settle()
     rows = []
     for clusters, workers, history in grid:

@@ -179,7 +179,6 @@ class Feeder(common.Feeder):
         super().__init__(tick=0.25)
         self.single_target, self.cluster_target = single_target, cluster_target
         self.rng = random.Random(seed)
-        self.submitted = Counter()
         self.low = {"singles": None, "clusters": None}  # smallest queue seen while measuring
 
     def queued(self) -> tuple[int, int]:
@@ -211,7 +210,6 @@ class Feeder(common.Feeder):
             specs = [JobSpec(kind=self.rng.choice(("eval", "build"))) for _ in range(missing)]
             with transaction.atomic(durable=True):
                 create_jobs(Project.objects.get(name=SINGLES), specs)
-            self.submitted["singles"] += missing
         for _ in range(self.cluster_target - clusters):
             k = self.rng.randint(2, 4)
             members = [
@@ -219,8 +217,6 @@ class Feeder(common.Feeder):
                 for _ in range(k)
             ]
             submit_cluster(CLUSTERS, members)
-            self.submitted["clusters"] += 1
-            self.submitted["members"] += k
 
 
 def outcomes() -> dict:
@@ -264,10 +260,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
             if time.monotonic() - began > args.connect_timeout:
                 break
             await asyncio.sleep(0.1)
-        connected_after = time.monotonic() - began
-        # Statistics, as autovacuum keeps them on a database in use: this one was emptied
-        # moments ago, and with row estimates of 1 PostgreSQL plans the candidates' anti-join
-        # on dispatched_job as a scan of every open row per job (50 ms instead of 1).
+        # Statistics, as autovacuum keeps them: the database was emptied moments ago.
         await asyncio.to_thread(common.closing(lambda: common.warm_up(args.warmup)))
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
@@ -303,7 +296,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     errors = Counter(e.get("code") for w in workers for e in w.errors)
     return {
         "workers": len(workers),
-        "connected_after": connected_after,
         "connected": connected,
         "window": secs,
         "member_rate": members / secs,
@@ -318,9 +310,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "held": tally.median_p90("held", since, until),
         "hops": hops,
         "lag": common.median_p((v for t, v in tally.lag if since <= t < until), 90),
-        "failed": during.get("failed", 0),
-        "rejected": during.get("rejected", 0),
-        "released": during.get("released_hold", 0),
         "errors": dict(errors),
         "low": dict(feeder.low),
         "cpu": cpu,
@@ -347,8 +336,6 @@ def run_one(count: int, args) -> dict:
     result["load"] = f"{load_before} / {common.load()}"
     result["crashes"] = crashed
     result["single_workers"], result["cluster_workers"] = n_single, n_cluster
-    result["submitted"] = dict(feeder.submitted)
-    result["logs"] = str(procs.logs)
     print(
         f"{count} workers: {result['member_rate']:.1f} member starts/s,"
         f" {result['single_rate']:.1f} single starts/s over {result['window']:.1f} s"
