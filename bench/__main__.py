@@ -8,10 +8,12 @@ process (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command
 then quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
 machine should be quiet: the figures move with the load average, which each section records.
 
-A new benchmark is a script here and a NAME in BENCHES. If its figures have targets, it returns
-them as `_common.Figure` rows and hands them, with its NAME, to `_common.finish` (or
-`write_section`): the summary at the top of the doc then holds them, and each run replaces
-that NAME's rows alone.
+A new benchmark is a script here and a NAME in BENCHES. It takes `_common.parser()`'s
+arguments, calls `_common.start(args)`, builds its fleet and stack with `_common`'s helpers
+and ends with `_common.finish(args, NAME, TITLE, tables, facts, figures)`: that writes the
+tables and the run's facts between its markers in docs/benchmarks.md (or appends a section
+TITLE with them) and its figures with targets as its rows of the summary. Its method is
+written in the doc, below its figures, by hand.
 """
 
 import argparse

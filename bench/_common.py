@@ -1,21 +1,27 @@
-"""What the benchmark scripts share: the bench database, real processes (daphne, Celery),
-docs/benchmarks.md sections, percentiles.
+"""What the benchmark scripts share: the bench database, the stack (daphne, Celery) and fleets,
+the one percentile, and their figures' blocks in docs/benchmarks.md.
 
-Import order matters: a script calls `setup(database_url)` before importing anything of the
-project, since Django reads DATABASE_URL once, at set-up.
+A script parses its arguments with `parser()` and calls `start(args)` before importing
+anything of the project, since Django reads DATABASE_URL once, at set-up. Its method is prose
+in docs/benchmarks.md; the script writes only its figures block and its summary rows there.
 """
 
+import argparse
+import math
 import os
 import re
+import shlex
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,22 +29,53 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench"
-DOC = ROOT / "docs" / "benchmarks.md"
+LOAD_AT_START = ""  # set by start()
+
+# Set-up
+
+# Options more than one script takes: type and help.
+OPTIONS = {
+    "warmup": (float, "seconds before the window"),
+    "window": (float, "seconds measured"),
+    "connect_timeout": (float, "seconds to wait for the fleet"),
+    "settle_load": (float, "wait (5 minutes at most) for a load average below this; 0: not"),
+    "runs": (int, "runs of each size, in turn; the targets take the median"),
+}
 
 
-def setup(database_url: str, redis_db: int) -> None:
-    """Point Django at the bench database (never at an ambient DATABASE_URL) and at a Redis
-    database of the benchmark's own (metrics, wake-ups), and set it up."""
+def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9, **defaults):
+    """The arguments every script takes (its database, its Redis database, --write DOC), and
+    those of OPTIONS it names, with their defaults."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--database", default=database, help="emptied by the run")
+    p.add_argument("--redis-db", type=int, default=redis_db, help="flushed by the run")
+    p.add_argument("--write", type=Path, help="update the figures in this markdown file")
+    for name, default in defaults.items():
+        kind, text = OPTIONS[name]
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    return p
+
+
+def start(args) -> None:
+    """Point Django at the script's database (never at an ambient DATABASE_URL) and Redis
+    database (metrics, wake-ups), and set it up; print the command its figures quote."""
+    global LOAD_AT_START
+    LOAD_AT_START = load()
+    print(command(), flush=True)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from gradient.redis_db import redis_url  # reads no setting: Django is not set up yet
 
-    os.environ["DATABASE_URL"] = database_url
-    os.environ["REDIS_URL"] = redis_url(redis_db)
+    os.environ["DATABASE_URL"] = args.database
+    os.environ["REDIS_URL"] = redis_url(args.redis_db)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
     import django
 
     django.setup()
+
+
+def command() -> str:
+    return shlex.join([".venv/bin/python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
 def ensure_database() -> None:
@@ -83,6 +120,307 @@ def project_tables() -> list[str]:
     return sorted(tables)
 
 
+def analyze(vacuum: bool = False) -> None:
+    """Statistics, as autovacuum keeps them on a database in use: one emptied moments ago
+    has row estimates of 1, and PostgreSQL plans the hot statements as for empty tables."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"{'VACUUM ' if vacuum else ''}ANALYZE {', '.join(project_tables())}")
+
+
+def warm_up(secs: float) -> None:
+    """A warm-up of `secs`, with statistics taken at its start and middle."""
+    analyze()
+    time.sleep(secs / 2)
+    analyze()
+    time.sleep(secs / 2)
+
+
+def count_by(rows, field: str) -> dict:
+    """How many of a queryset's rows hold each value of `field`."""
+    from django.db.models import Count
+
+    return dict(rows.values_list(field).annotate(n=Count("pk")))
+
+
+def connected(names: list[str] | None = None) -> int:
+    """How many workers (of these names) a session holds."""
+    from workers.models import Worker
+
+    rows = Worker.objects.filter(channel_name__isnull=False)
+    return (rows if names is None else rows.filter(name__in=names)).count()
+
+
+# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
+PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in ([0-9.]+)s: (\{.*\})")
+
+
+def passes(log: str) -> list[dict]:
+    """Every dispatch pass in a Celery worker's log: its result, and the task's seconds."""
+    import ast
+
+    return [{**ast.literal_eval(m[2]), "task_secs": float(m[1])} for m in PASS_LINE.finditer(log)]
+
+
+def settle(below: float, most_secs: float = 300.0) -> None:
+    """Before a run that is compared with another: a CHECKPOINT, so that the last run's dirty
+    pages are not written during this one, then a wait (at most `most_secs`) until the 1-minute
+    load average is below `below` (0: no wait)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CHECKPOINT")
+    connection.close()
+    deadline = time.monotonic() + most_secs
+    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def load() -> str:
+    """The 1-minute load average: the machine is shared, and figures move with it."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def load_span(before: str | None = None) -> str:
+    return f"{before or LOAD_AT_START} at the start, {load()} at the end"
+
+
+def machine() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        pg = cursor.fetchone()[0]
+    # How fast this shared host runs Python right now: the best of three runs of a fixed loop.
+    loop = min(_timed_loop() for _ in range(3))
+    return f"{os.cpu_count()} cores (reference loop {loop:.2f} s), PostgreSQL {pg.split()[0]}"
+
+
+def _timed_loop() -> float:
+    began = time.perf_counter()
+    sum(range(10_000_000))
+    return time.perf_counter() - began
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """Sizes as the scripts take them: "100x500,1000x5000" -> [(100, 500), (1000, 5000)]."""
+    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def parse_range(text: str) -> tuple[float, float]:
+    """ "LO-HI" (or "N") -> (LO, HI)."""
+    lo, _, hi = text.partition("-")
+    return float(lo), float(hi or lo)
+
+
+# The stack: daphne and Celery as real processes
+
+
+def process_env(**extra) -> dict:
+    """The environment of a daphne or Celery process: the bench database and Redis database
+    that setup() chose."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "gradient.settings",
+        "PYTHONUNBUFFERED": "1",
+        **{k: str(v) for k, v in extra.items()},
+    }
+
+
+def flush_redis(redis_url: str | None = None) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url or os.environ["REDIS_URL"]).flushdb()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(predicate: Callable, timeout: float, what: str, tick: float = 0.02):
+    """Poll `predicate` until it returns something true, which is returned."""
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout:g} s")
+        time.sleep(tick)
+    return found
+
+
+class Processes:
+    """daphne and Celery as subprocesses of the script (each in its own session, so a kill
+    reaches its children), with their logs in one directory. stop() ends every one."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs = env, logs
+        self.procs: list[tuple[subprocess.Popen, object]] = []
+        self.names: dict[int, str] = {}  # pid -> the name given to start()
+        self.port = free_port()
+        self.url = f"ws://127.0.0.1:{self.port}/proto"
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """Start `args` as NAME, in the processes' environment unless `env` is given."""
+        log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=self.env if env is None else env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append((proc, log))
+        self.names[proc.pid] = name
+        return proc
+
+    def pids(self, *names: str) -> list[int]:
+        """The processes started under these names (a meter's group)."""
+        return [proc.pid for proc, _ in self.procs if self.names[proc.pid] in names]
+
+    def daphne(self) -> subprocess.Popen:
+        """The README's command: a daphne per core on one socket (gradient.serve)."""
+        python = str(VENV_BIN / "python")
+        proc = self.start(
+            "daphne", python, "-m", "gradient.serve", "-b", "127.0.0.1", "-p", str(self.port)
+        )
+
+        def listening():
+            if proc.poll() is not None:
+                raise RuntimeError(f"daphne exited with {proc.returncode}")
+            with suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return True
+
+        until(listening, 30.0, f"daphne listening on {self.port}")
+        return proc
+
+    def celery(self) -> None:
+        """A Celery worker (-c 2) and beat: the passes, on their schedule and on wake-ups."""
+        celery = str(VENV_BIN / "celery")
+        name = f"bench-{os.getpid()}@%h"
+        self.start(
+            "celery-worker",
+            *(celery, "-A", "gradient", "worker", "-c", "2", "-l", "info"),
+            *("--without-mingle", "--without-gossip", "-n", name),
+        )
+        log = self.logs / "celery-worker.log"
+        until(lambda: "ready." in log.read_text(errors="replace"), 60.0, "ready Celery", 0.1)
+        beat_schedule = str(self.logs / "beat-schedule")
+        self.start(
+            "celery-beat", celery, "-A", "gradient", "beat", "-l", "info", "-s", beat_schedule
+        )
+
+    @staticmethod
+    def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, log in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+    def groups(self) -> dict[str, list[int]]:
+        """The stack's processes, as a CpuMeter groups them."""
+        return {"daphne": self.pids("daphne"), "celery": self.pids("celery-worker", "celery-beat")}
+
+    def log_text(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def problems(self) -> tuple[list[str], int]:
+        """daphne's and the Celery worker's crash lines, and their tracebacks of any kind. Read
+        before stop(): a pool process killed mid-task at shutdown logs a traceback."""
+        logs = [self.log_text("daphne"), self.log_text("celery-worker")]
+        return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+
+
+@contextmanager
+def stack(name: str, celery: bool = True, logs: Path | None = None, **settings) -> Iterator:
+    """The server as it runs in production, on the bench database and an emptied Redis
+    database: daphne and, with `celery`, a Celery worker and beat, with `settings` in their
+    environment. Yields the Processes (its `url` the workers' endpoint); stops them all."""
+    env = process_env(**settings)
+    flush_redis()
+    procs = Processes(env, logs or Path(tempfile.mkdtemp(prefix=f"bench-{name}-")))
+    try:
+        procs.daphne()
+        if celery:
+            procs.celery()
+        yield procs
+    finally:
+        procs.stop()
+        flush_redis()
+        print(f"logs in {procs.logs}", flush=True)
+
+
+def crashes(log: str) -> list[str]:
+    """Lines of a log that show an exception escaping a consumer (daphne) or a task (Celery)."""
+    return [
+        line
+        for line in log.splitlines()
+        if "Exception inside application" in line or "raised unexpected" in line
+    ]
+
+
+def tracebacks(log: str) -> int:
+    """Tracebacks of any kind, crashes or warnings logged with their exception."""
+    return sum(line.startswith("Traceback") for line in log.splitlines())
+
+
+def crash_fact(crashes: int, tracebacks: int | None = None, celery: bool = True) -> str:
+    """The figures block's line on the logs of the stack."""
+    where = "daphne's log" + (", `raised unexpected` in Celery's" if celery else "")
+    text = f"Consumers or tasks that crashed (`Exception inside application` in {where}): {crashes}"
+    return text + ("." if tracebacks is None else f"; tracebacks of any kind there: {tracebacks}.")
+
+
+def raise_open_files(workers: int) -> int:
+    """Each worker of an in-process fleet holds a socket here and one in daphne (a child: it
+    inherits the limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * workers + 1024
+    if soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft < wanted:
+        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
+    return soft
+
+
+def in_memory_layer() -> None:
+    """For benches without sessions: Channels' in-memory layer (nothing listens on the workers'
+    groups) and no log line per claim."""
+    import logging
+
+    from channels.layers import channel_layers
+    from django.conf import settings
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    channel_layers.backends.clear()
+    logging.getLogger("clusters").setLevel(logging.WARNING)
+
+
+# CPU
+
+
 def cpu_secs(pid: int, children: bool = True) -> float:
     """User + system CPU seconds of a process and its live descendants (Celery's pool)."""
     total = 0.0
@@ -95,20 +433,6 @@ def cpu_secs(pid: int, children: bool = True) -> float:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return total
-
-
-def database_backends(exclude: Iterable[int] = ()) -> list[int]:
-    """The PostgreSQL backends serving the bench database (autovacuum's among them), but the
-    one asking and those in `exclude` (the bench's own connections)."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s)",
-            [list(exclude)],
-        )
-        return [row[0] for row in cursor.fetchall()]
 
 
 class CpuMeter:
@@ -137,7 +461,16 @@ class CpuMeter:
         return out
 
     def observe(self) -> None:
-        for pid in set(database_backends(self.exclude)) | set(self.last):
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s)",
+                [list(self.exclude)],
+            )
+            backends = {row[0] for row in cursor.fetchall()}
+        for pid in backends | set(self.last):
             secs = cpu_secs(pid)  # 0 once it exited: the last reading stays
             # One that connected after start() spent all its CPU since.
             self.first.setdefault(pid, secs if self.starting else 0.0)
@@ -157,15 +490,6 @@ class CpuMeter:
         spent = {name: now[name] - self.began[name] for name in now}
         spent["postgres"] = sum(self.last[pid] - self.first[pid] for pid in self.last)
         return spent
-
-
-def analyze() -> None:
-    """Statistics, as autovacuum keeps them on a database in use: one emptied moments ago
-    has row estimates of 1, and PostgreSQL plans the hot statements as for empty tables."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {', '.join(project_tables())}")
 
 
 class Feeder:
@@ -195,173 +519,124 @@ class Feeder:
             connection.close()
 
 
-def process_env(**extra) -> dict:
-    """The environment of a daphne or Celery process: the bench database and Redis database
-    that setup() chose."""
-    return {
-        **os.environ,
-        "DATABASE_URL": os.environ["DATABASE_URL"],
-        "REDIS_URL": os.environ["REDIS_URL"],
-        "DJANGO_SETTINGS_MODULE": "gradient.settings",
-        "PYTHONUNBUFFERED": "1",
-        **{k: str(v) for k, v in extra.items()},
-    }
+def closing(fn: Callable) -> Callable:
+    """fn, then the calling thread's database connection closed: for asyncio.to_thread."""
 
+    def run():
+        from django.db import connection
 
-def flush_redis(redis_url: str) -> None:
-    import redis
-
-    redis.Redis.from_url(redis_url).flushdb()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on {port}")
+            return fn()
+        finally:
+            connection.close()
+
+    return run
 
 
-def wait_for_log(path: Path, text: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{path.name} never said {text!r}")
+# Fleets
 
 
-class Processes:
-    """daphne and Celery as subprocesses of the script (each in its own session, so a kill
-    reaches its children), with their logs in one directory. stop() ends every one."""
+def token(name: str) -> str:
+    """A bench worker's token: known from its name, so a fleet can connect as it."""
+    return f"token-{name}"
 
-    def __init__(self, env: dict, logs: Path):
-        self.env, self.logs = env, logs
-        self.procs: list[tuple[subprocess.Popen, object]] = []
-        self.names: dict[int, str] = {}  # pid -> the name given to start()
-        logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """Start `args` as NAME, in the processes' environment unless `env` is given."""
-        log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - closed in stop()
-        proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=self.env if env is None else env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+def make_workers(
+    names: Iterable[str],
+    project=None,
+    connected: bool = False,
+    each: Callable[[int], dict] | None = None,
+    **fields,
+) -> list:
+    """Worker rows named `names` (token(name) their token), with `fields` and `each(i)`'s for
+    the i-th. `project`, a Project or a function of i giving one or None, restricts a row to
+    that project. `connected`: as if a session held each (a channel name, seen now), for
+    benches that call the server's functions without sessions."""
+    from django.utils import timezone
+
+    from workers.models import Worker, hash_token
+
+    now = timezone.now()
+    pick = project if callable(project) else (lambda i: project)
+
+    def row(i: int, name: str):
+        own = each(i) if each else {}
+        if connected:
+            own.update(channel_name=f"bench.channel!{i}", connected_at=now, last_seen_at=now)
+        if pick(i) is not None:
+            own["all_projects"] = False
+        return Worker(name=name, token_hash=hash_token(token(name)), **fields, **own)
+
+    made = Worker.objects.bulk_create((row(i, n) for i, n in enumerate(names)), batch_size=5000)
+    through = Worker.projects.through
+    through.objects.bulk_create(
+        through(worker_id=w.pk, project_id=p.pk)
+        for i, w in enumerate(made)
+        if (p := pick(i)) is not None
+    )
+    return made
+
+
+def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 5000):
+    """Clusters in bulk, from (the cluster's fields, its members) pairs, a member being
+    (role, kind, its job's fields, its own fields) with kind "eval" or "build", its job in the
+    cluster's project. Returns the clusters and every member's job, in order."""
+    from clusters.models import ClusterJob, ClusterMember
+    from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
+
+    shapes = list(shapes)
+    clusters = ClusterJob.objects.bulk_create(
+        (ClusterJob(**fields) for fields, _ in shapes), batch_size=batch_size
+    )
+    made = [
+        (c, role, Evaluation(project=c.project, **job), extra)
+        if kind == "eval"
+        else (
+            c,
+            role,
+            DerivationBuild(project=c.project, **{"status": BuildStatus.QUEUED, **job}),
+            extra,
         )
-        self.procs.append((proc, log))
-        self.names[proc.pid] = name
-        return proc
-
-    def pids(self, *names: str) -> list[int]:
-        """The processes started under these names (a meter's group)."""
-        return [proc.pid for proc, _ in self.procs if self.names[proc.pid] in names]
-
-    @staticmethod
-    def daphne_args(port: int) -> tuple[str, ...]:
-        # The README's command: daphne processes, one per core, on one socket with a listen
-        # backlog for a fleet that reconnects all at once (gradient.serve).
-        return (
-            str(VENV_BIN / "python"),
-            "-m",
-            "gradient.serve",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-        )
-
-    def daphne(self, port: int) -> subprocess.Popen:
-        proc = self.start("daphne", *self.daphne_args(port))
-        wait_for_port(port, proc)
-        return proc
-
-    def celery(self) -> None:
-        """A Celery worker and beat: the passes, on their schedule and on wake-ups."""
-        celery = str(VENV_BIN / "celery")
-        self.start(
-            "celery-worker",
-            celery,
-            "-A",
-            "gradient",
-            "worker",
-            "-c",
-            "2",
-            "-l",
-            "info",
-            "--without-mingle",
-            "--without-gossip",
-            "-n",
-            f"bench-{os.getpid()}@%h",
-        )
-        wait_for_log(self.logs / "celery-worker.log", "ready.")
-        self.start(
-            "celery-beat",
-            celery,
-            "-A",
-            "gradient",
-            "beat",
-            "-l",
-            "info",
-            "-s",
-            str(self.logs / "beat-schedule"),
-        )
-
-    @staticmethod
-    def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-        proc.wait(10)
-
-    def stop(self) -> None:
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, log in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
-
-    def log_text(self, name: str) -> str:
-        path = self.logs / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-
-def crashes(log: str) -> list[str]:
-    """Lines of a log that show an exception escaping a consumer (daphne) or a task (Celery)."""
-    return [
-        line
-        for line in log.splitlines()
-        if "Exception inside application" in line or "raised unexpected" in line
+        for c, (_, members) in zip(clusters, shapes, strict=True)
+        for role, kind, job, extra in members
     ]
+    jobs = [job for _, _, job, _ in made]
+    Evaluation.objects.bulk_create([j for j in jobs if isinstance(j, Evaluation)], batch_size)
+    DerivationBuild.objects.bulk_create(
+        [j for j in jobs if isinstance(j, DerivationBuild)], batch_size
+    )
+    ClusterMember.objects.bulk_create(
+        (
+            ClusterMember(
+                cluster_job=c,
+                role=role,
+                **extra,
+                **{"evaluation" if isinstance(job, Evaluation) else "derivation_build": job},
+            )
+            for c, role, job, extra in made
+        ),
+        batch_size=batch_size,
+    )
+    return clusters, jobs
 
 
-def tracebacks(log: str) -> int:
-    """Tracebacks of any kind, crashes or warnings logged with their exception."""
-    return sum(line.startswith("Traceback") for line in log.splitlines())
+# Figures
 
 
-def log_problems(procs: Processes) -> tuple[list[str], int]:
-    """daphne's and the Celery worker's crash lines, and their tracebacks of any kind."""
-    logs = [procs.log_text("daphne"), procs.log_text("celery-worker")]
-    return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+def percentile(xs: Iterable[float], p: float) -> float:
+    """The p-th percentile (0..100) of xs, linear between the closest ranks (statistics'
+    "inclusive" method, numpy's default): every benchmark's tails, so that they compare."""
+    xs = sorted(xs)
+    at = (len(xs) - 1) * p / 100
+    low = math.floor(at)
+    high = min(low + 1, len(xs) - 1)
+    return xs[low] + (xs[high] - xs[low]) * (at - low)
+
+
+def median_p(xs: Iterable[float], p: float) -> tuple[float, float] | None:
+    """(median, p-th percentile), None for none."""
+    xs = list(xs)
+    return (percentile(xs, 50), percentile(xs, p)) if xs else None
 
 
 def median_text(values: list[float], digits: int = 1) -> str:
@@ -374,129 +649,18 @@ def median_text(values: list[float], digits: int = 1) -> str:
     return f"{mid:.{digits}f} (median of {len(values)}: {low:.{digits}f} to {high:.{digits}f})"
 
 
-def percentile(xs: list[float], p: float) -> float:
-    """The p-th percentile (0..100), linear between the closest ranks."""
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[round(p) - 1]
-
-
-def now_line() -> str:
-    return f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
-
-
-def settle(below: float, most_secs: float = 300.0) -> None:
-    """Before a run that is compared with another: a CHECKPOINT, so that the last run's dirty
-    pages are not written during this one, then a wait (at most `most_secs`) until the 1-minute
-    load average is below `below` (0: no wait). Started at once, a run measures the tail of
-    the one before it, and the later sizes of one command would all start loaded."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("CHECKPOINT")
-    connection.close()
-    deadline = time.monotonic() + most_secs
-    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        time.sleep(5)
-
-
-def load() -> str:
-    """The 1-minute load average: the machine is shared, and figures move with it."""
-    return f"{os.getloadavg()[0]:.1f}"
-
-
-def machine() -> str:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW server_version")
-        pg = cursor.fetchone()[0]
-    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    return f"{cores} cores ({cpu_speed()}), PostgreSQL {pg.split()[0]}"
-
-
-def cpu_speed() -> str:
-    """How fast this machine runs Python right now: on this shared host the same planner run
-    took 0.19 s at one hour and 0.51 s at another, and every figure moves with it. The best
-    of three runs of a fixed loop, so sections taken at different hours can be compared."""
-    best = min(_timed_loop() for _ in range(3))
-    return f"reference loop {best:.2f} s"
-
-
-def _timed_loop() -> float:
-    began = time.perf_counter()
-    sum(range(10_000_000))
-    return time.perf_counter() - began
-
-
-WIDTH = 100  # the generated prose is wrapped here, so no line needs scrolling sideways
-
-
-def parse_grid(text: str) -> list[tuple[int, int]]:
-    """Sizes as the scripts take them: "100x500,1000x5000" -> [(100, 500), (1000, 5000)]."""
-    return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
-
-
-def paragraph(text: str) -> str:
-    """One paragraph of prose, wrapped at WIDTH."""
-    return textwrap.fill(text, WIDTH, break_on_hyphens=False, break_long_words=False)
-
-
-def bullets(items: Iterable[str]) -> str:
-    """A markdown list, each item wrapped at WIDTH under its own indent."""
-    return "\n".join(
-        textwrap.fill(
-            item,
-            WIDTH,
-            initial_indent="- ",
-            subsequent_indent="  ",
-            break_on_hyphens=False,
-            break_long_words=False,
-        )
-        for item in items
-    )
-
-
-def run_facts(command: str, load: str) -> list[str]:
-    """The bullets every section ends its text with: how to reproduce it and under what load."""
-    return [
-        f"Command: `{command}`",
-        f"Date: {now_line()}",
-        f"Machine: {machine()} on the same host over TCP, shared with other work"
-        f" (load average {load})",
-    ]
-
-
-def section_text(title: str, lead: str, method: list[str], facts: list[str], body: str) -> str:
-    """A section: its title, one sentence of what it measures, the method's bullets, the run's
-    facts (a list of their own), then its table."""
-    parts = [title, paragraph(lead), bullets(method), "The run:", bullets(facts), body]
-    return "\n\n".join(parts) + "\n"
-
-
-# The summary table: one row per figure with a target, at the top of the file. A benchmark's
-# rows carry its `bench/run NAME` as their command, which is how a run finds its own rows.
-SUMMARY = "## Summary"
-SUMMARY_HEADER = ["figure", "target", "result", "met", "command"]
-SUMMARY_LEAD = (
-    "Every figure that has a target. Each benchmark rewrites its own rows when it writes its"
-    " section (the figure links to it); a row saying not measured has not been run yet."
-)
-# The fault suite is tests, not a benchmark: no script writes its row, so every run keeps it.
-FAULT_ROW = [
-    "fault suite: invariant violations ([docs/reliability.md](reliability.md#results))",
-    "0",
-    "0 in the last recorded run",
-    "yes",
-    "`bin/test tests/faults`",
-]
+def table(header: str, rows: list[list], align: str = "---:") -> str:
+    """A markdown table under `header`'s " | "-separated cells, its columns right-aligned
+    (figures) unless `align` says otherwise."""
+    header = header.split(" | ")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class Figure:
-    """One row of the summary. A benchmark that has targets returns these from its results
-    and passes them to finish() or write_section() with its `bench/run` name; bench/health.py
-    adds its rows the same way, under its own name."""
+    """One row of the summary: a figure with a target."""
 
     figure: str
     target: str
@@ -504,138 +668,82 @@ class Figure:
     met: bool | None  # None: not measured (its result says so)
 
 
-def anchor(title: str) -> str:
-    """The link target that GitHub and most renderers give a `## ` heading."""
-    words = re.sub(r"[^\w\- ]", "", title.removeprefix("## ").strip().lower())
-    return "#" + words.replace(" ", "-")
-
-
-def summary_row(bench: str, title: str, figure: Figure) -> list[str]:
-    met = {True: "yes", False: "**no**", None: "-"}[figure.met]
-    link = f"[{figure.figure}]({anchor(title)})"
-    return [link, figure.target, figure.result, met, f"`bench/run {bench}`"]
-
-
-def summary_rows(text: str) -> list[list[str]]:
-    """The rows of the summary table in `text` (none when it has no summary)."""
-    found = _section_pattern(SUMMARY).search(text)
-    if not found:
-        return []
-    lines = [line for line in found.group(0).splitlines() if line.startswith("|")]
-    return [_cells(line) for line in lines[2:]]  # past the header and its rule
-
-
-def merge_rows(rows: list[list[str]], bench: str, new: list[list[str]]) -> list[list[str]]:
-    """`rows` with the benchmark's own replaced by `new`, where the first of them stood, or
-    `new` appended when it had none; every other row kept as it is."""
-    own = f"`bench/run {bench}`"
-    mine = [i for i, row in enumerate(rows) if row[-1] == own]
-    if not mine:
-        return [*rows, *new]
-    kept = [row for row in rows if row[-1] != own]
-    at = mine[0]
-    return [*kept[:at], *new, *kept[at:]]
-
-
-def with_summary(text: str, rows: list[list[str]]) -> str:
-    """`text` with its summary section holding `rows`: replaced where it is, or put before
-    the first section."""
-    rows_text = table(SUMMARY_HEADER, rows, align=":---")
-    summary = f"{SUMMARY}\n\n{paragraph(SUMMARY_LEAD)}\n\n{rows_text}\n"
-    pattern = _section_pattern(SUMMARY)
-    if pattern.search(text):
-        return pattern.sub(lambda _: summary + "\n", text, count=1)
-    first = re.search(r"^## ", text, re.M)
-    at = first.start() if first else len(text)
-    head = text[:at].rstrip("\n") + "\n\n"
-    return head + summary + ("\n" + text[at:] if first else "")
-
-
-def file_header() -> str:
-    return (
-        "# Benchmarks\n\n"
-        + paragraph(
-            "`bench/run` runs every benchmark in turn, each writing its own section here and its"
-            " rows of the summary; `bench/run NAME ...` runs some, `bench/run --dry-run` prints the"
-            " commands. Each starts what it needs (daphne, Celery, the fleet) on a database and a"
-            " Redis database of its own. The machine is shared: each section records the load"
-            " average, and the figures move with it."
-        )
-        + "\n"
-    )
-
-
-def write_section(
-    path: Path,
-    title: str,
-    section: str,
-    bench: str | None = None,
-    figures: Iterable[Figure] = (),
-) -> None:
-    """Replace the section headed `title` (up to the next `## `) or append it, and with `bench`
-    replace that benchmark's rows of the summary by `figures`; the rest of the file is left as
-    it is."""
-    assert section.startswith(title + "\n")
-    text = path.read_text() if path.exists() else file_header()
-    if not _section_pattern(SUMMARY).search(text):
-        text = with_summary(text, [FAULT_ROW])
-    if bench is not None:
-        new = [summary_row(bench, title, f) for f in figures]
-        text = with_summary(text, merge_rows(summary_rows(text), bench, new))
-    pattern = _section_pattern(title)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n")
-
-
-def _section_pattern(title: str) -> re.Pattern:
-    return re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
-
-
-def _cells(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip().strip("|").split(" | ")]
-
-
-def table(header: list[str], rows: list[list], align: str = "---:") -> str:
-    """A markdown table, its columns right-aligned (figures) unless `align` says otherwise."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+# docs/benchmarks.md: each benchmark's figures sit between these markers in its section, the
+# method's prose around them is the doc's own; the summary's rows sit between SUMMARY's.
+MARK = "<!-- figures: {} -->"
+END = "<!-- /figures -->"
+SUMMARY = MARK.format("summary")
+SUMMARY_HEADER = "figure | target | result | met | command"
+WIDTH = 100  # a fact longer than this is wrapped, so no line needs scrolling sideways
 
 
 def finish(
-    header: list[str],
-    rows: list[list],
-    write: Path | None,
+    args,
+    bench: str,
     title: str,
-    section: Callable[[], str],
-    crashed: bool,
-    bench: str | None = None,
+    tables: str,
+    facts: Iterable[str] = (),
     figures: Iterable[Figure] = (),
+    load: str | None = None,
+    crashed: bool = False,
 ) -> None:
-    """A script's end: its table printed, its section and its summary rows written with
-    --write (made only then: it asks the database about the machine), exit status 1 if a
-    consumer or task crashed."""
-    print(table(header, rows), flush=True)
-    if write:
-        write_section(write, title, section(), bench, figures)
+    """A script's end: its tables printed; with --write, its figures block (the tables, then
+    `facts` and the run's command, date, machine and `load`) and its summary rows (`figures`)
+    written under its `bench/run` name; exit status 1 if something crashed."""
+    print(tables, flush=True)
+    if args.write:
+        facts = [
+            *facts,
+            f"Command: `{command()}`",
+            f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            f"Machine: {machine()} on the same host over TCP, shared with other work"
+            f" (load average {load or load_span()})",
+        ]
+        block = f"{tables}\n\n{bullets(facts)}"
+        write(args.write, bench, title, block, list(figures))
     if crashed:
         sys.exit(1)
 
 
-def raise_open_files(workers: int) -> int:
-    """Each worker of an in-process fleet holds a socket here and one in daphne (a child: it
-    inherits the limit)."""
-    import resource
+def bullets(items: Iterable[str]) -> str:
+    wrap = textwrap.TextWrapper(WIDTH, "- ", "  ", break_on_hyphens=False, break_long_words=False)
+    return "\n".join(wrap.fill(item) for item in items)
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * workers + 1024
-    if soft < wanted:
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    if soft < wanted:
-        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
-    return soft
+
+def write(path: Path, bench: str, title: str, block: str, figures: list[Figure]) -> None:
+    """Replace the benchmark's figures block, or append its section (a title and the block)
+    to the file; and replace its rows of the summary by `figures` (every other row kept)."""
+    text = (
+        path.read_text() if path.exists() else f"# Benchmarks\n\n## Summary\n\n{SUMMARY}\n{END}\n"
+    )
+    marked = f"{MARK.format(bench)}\n{block}\n{END}"
+    pattern = _block(MARK.format(bench))
+    if pattern.search(text):
+        text = pattern.sub(lambda _: marked, text, count=1)
+    else:
+        text = f"{text.rstrip()}\n\n{title}\n\n{marked}\n"
+    rows = [_cells(line) for line in _block(SUMMARY).search(text).group(1).splitlines()[2:]]
+    own = f"`bench/run {bench}`"
+    new = [summary_row(bench, title, f) for f in figures]
+    mine = [i for i, row in enumerate(rows) if row[-1] == own]
+    kept = [row for row in rows if row[-1] != own]
+    at = mine[0] if mine else len(kept)
+    rows = [*kept[:at], *new, *kept[at:]]
+    summary = f"{SUMMARY}\n{table(SUMMARY_HEADER, rows, align=':---')}\n{END}"
+    text = _block(SUMMARY).sub(lambda _: summary, text, count=1)
+    path.write_text(text)
+
+
+def summary_row(bench: str, title: str, figure: Figure) -> list[str]:
+    met = {True: "yes", False: "**no**", None: "-"}[figure.met]
+    words = re.sub(r"[^\w\- ]", "", title.removeprefix("## ").strip().lower())
+    link = f"[{figure.figure}](#{words.replace(' ', '-')})"  # the anchor renderers give it
+    return [link, figure.target, figure.result, met, f"`bench/run {bench}`"]
+
+
+def _block(mark: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(mark)}\n(.*?)^{re.escape(END)}$", re.M | re.S)
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split(" | ")]

@@ -2,19 +2,9 @@
 
     .venv/bin/python bench/agent.py [--trials N] [--sizes 2,4,8] [--write docs/benchmarks.md]
 
-A daphne and a Celery worker + beat as subprocesses, and one `gradient-worker` agent per seat
-of the largest cluster (8 by default, `--builds 1`, JSON log lines), each a process of its own.
-Each trial submits a cluster of k build members through `submit_cluster --file`, every member's
-command a shell whose first act writes the wall-clock time to a file named by its assignment,
-and waits until the cluster has completed before the next. Measured: per member, from the
-agent's log line for StartCluster to the time its process wrote; per cluster, the spread
-between its first and its last member's start; and the agents' CPU time per job run.
-
-It uses its own database (--database, default gradient_bench_agent; created and migrated when
-missing, emptied at the start) and Redis database 4.
+The method is in docs/benchmarks.md, "Worker agent: member start".
 """
 
-import argparse
 import json
 import shlex
 import signal
@@ -32,8 +22,6 @@ from bench import _common as common
 
 REDIS_DB = 4
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_agent"
-SECTION = "## Worker agent: member start"
-BENCH = "agent"  # its name in bench/run, which its summary rows carry
 START_EVENT = "start_cluster"  # the agent's JSON log line when it handles StartCluster
 SPREAD_TARGET_MS = 20.0
 START_TARGET_MS = 50.0
@@ -46,15 +34,14 @@ SERVER_ONLY = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
 def make_workers(count: int, tmp: Path) -> list[tuple[str, Path]]:
     """Worker rows with tokens, and each token in a file of its own for --token-file."""
     from gradient.jobs.models import Project
-    from workers.models import Worker, hash_token
 
     Project.objects.create(name=PROJECT)
+    names = [f"agent-{i}" for i in range(count)]
+    common.make_workers(names)
     out = []
-    for i in range(count):
-        name, token = f"agent-{i}", f"bench-agent-token-{i}"
-        Worker.objects.create(name=name, token_hash=hash_token(token))
+    for name in names:
         path = tmp / f"{name}.token"
-        path.write_text(token)
+        path.write_text(common.token(name))
         path.chmod(0o600)
         out.append((name, path))
     return out
@@ -72,23 +59,8 @@ def start_agents(procs: common.Processes, url: str, workers, tmp: Path) -> list[
             env=env,
         )
     names = [name for name, _ in workers]
-    until(lambda: connected(names), 60.0, "every agent connected")
+    common.until(lambda: common.connected(names) == len(names), 60.0, "every agent connected")
     return procs.pids(*names)
-
-
-def connected(names: list[str]) -> bool:
-    from workers.models import Worker
-
-    return Worker.objects.filter(name__in=names, channel_name__isnull=False).count() == len(names)
-
-
-def until(predicate, timeout: float, what: str, tick: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not (found := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout:g} s")
-        time.sleep(tick)
-    return found
 
 
 def cluster_file(k: int, starts: Path, tmp: Path) -> Path:
@@ -118,7 +90,7 @@ def trial(path: Path, starts: Path) -> dict:
         status = ClusterJob.objects.values_list("status", flat=True).get(pk=cluster)
         return None if status in (ClusterStatus.QUEUED, ClusterStatus.RUNNING) else status
 
-    status = until(finished, TRIAL_TIMEOUT_SECS, f"end of cluster {cluster}")
+    status = common.until(finished, TRIAL_TIMEOUT_SECS, f"end of cluster {cluster}")
     if status != ClusterStatus.COMPLETED:
         raise RuntimeError(f"cluster {cluster} ended {status}")
     seats = DispatchedJob.objects.filter(cluster_attempt__cluster_job_id=cluster)
@@ -141,17 +113,11 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
     starts = tmp / "starts"
     starts.mkdir()
     workers = make_workers(max(sizes), tmp)
-    env = common.process_env()
-    common.flush_redis(env["REDIS_URL"])
-    procs = common.Processes(env, tmp / "logs")
     common.settle(settle_load)
     load_before = common.load()
     names = [name for name, _ in workers]
-    try:
-        port = common.free_port()
-        procs.daphne(port)
-        procs.celery()
-        agents = start_agents(procs, f"ws://127.0.0.1:{port}/proto", workers, tmp)
+    with common.stack("agent", logs=tmp / "logs") as procs:
+        agents = start_agents(procs, procs.url, workers, tmp)
         files = {k: cluster_file(k, starts, tmp) for k in sizes}
         trial(files[max(sizes)], starts)  # warm-up, not counted: every agent has run once
         cpu_before = sum(common.cpu_secs(pid, children=False) for pid in agents)
@@ -163,10 +129,7 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
         for proc, _ in procs.procs:  # the agents first: they drain while the server is up
             if procs.names[proc.pid] in names:
                 procs.kill(proc, signal.SIGTERM)
-        crashes, tracebacks = common.log_problems(procs)
-    finally:
-        procs.stop()
-        common.flush_redis(env["REDIS_URL"])
+        crashes, tracebacks = procs.problems()
     events = agent_events(procs, names)
     received = {
         e["assignment_id"]: datetime.fromisoformat(e["time"]).timestamp()
@@ -178,9 +141,7 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
         for m in r["members"]:
             m["start_ms"] = (m["running"] - received[m["assignment"]]) * 1000
     print(
-        f"logs in {tmp / 'logs'}; {len(crashes)} crash(es), {tracebacks} traceback(s),"
-        f" {len(agent_errors)} agent error(s)",
-        flush=True,
+        f"{len(crashes)} crash(es), {tracebacks} traceback(s), {len(agent_errors)} agent error(s)"
     )
     jobs = sum(r["k"] for r in results)
     return {
@@ -193,7 +154,7 @@ def run(sizes: list[int], trials: int, settle_load: float) -> dict:
         "crashes": crashes,
         "tracebacks": tracebacks,
         "agent_errors": len(agent_errors),
-        "load": f"{load_before} at the start, {common.load()} at the end",
+        "load": common.load_span(load_before),
     }
 
 
@@ -214,21 +175,16 @@ def by_size(r: dict) -> dict[int, dict[str, list[float]]]:
     return out
 
 
-HEADER = [
-    "members",
-    "clusters",
-    "StartCluster to running, median ms",
-    "p95 ms",
-    "slowest member, median ms",
-    "spread first to last, median ms",
-    "p95 ms",
-    "submitted to last running, median ms",
-]
+HEADER = (
+    "members | clusters | StartCluster to running, median ms | p95 ms"
+    " | slowest member, median ms | spread first to last, median ms | p95 ms"
+    " | submitted to last running, median ms"
+)
 
 
 def rows(r: dict) -> list[list]:
     def ms(xs, p=50):
-        return f"{statistics.median(xs) if p == 50 else common.percentile(xs, p):.1f}"
+        return f"{common.percentile(xs, p):.1f}"
 
     return [
         [
@@ -271,90 +227,30 @@ def figures(r: dict) -> list[common.Figure]:
     ]
 
 
-LEAD = (
-    "How soon the worker agent `gradient-worker` starts a cluster's member processes once"
-    " StartCluster reaches it, and how close together they start (see `bench/agent.py`)."
-)
-
-
-def method(r: dict, settle_load: float) -> list[str]:
-    return [
-        "Stack: daphne (`gradient.serve`), one Celery worker (`-c 2`) and beat as subprocesses on"
-        f" the bench database and Redis database {REDIS_DB}, default settings.",
-        f"Agents: {r['agents']} `gradient-worker` processes sharing the machine's cores with the"
-        " server, each `--builds 1 --log-format json`, with a token file, an endpoint and a work"
-        " directory of its own.",
-        "A trial: a cluster of k build members submitted with `submit_cluster --file` (in the"
-        " script's process), each member's command `sh -c 'exec date +%s.%N > DIR/"
-        "$GRADIENT_ASSIGNMENT_ID'`; the next is submitted once it has completed."
-        f" {r['trials']} trials of each size, after one untimed cluster of {max(r['sizes'])}.",
-        "StartCluster to running: per member, from the `time` of its agent's"
-        f" `{START_EVENT}` log line to the time its `date` wrote, on the machine's one clock: the"
-        " agent's handling, the run directory and environment, fork and exec of `sh` and of"
-        " `date`. Slowest member: the largest of these in each cluster.",
-        "Spread: the last member's written time less the first's in each cluster: StartCluster"
-        " reaching the agents at different times adds to it. Submitted to last running: from"
-        " `submit_cluster`'s call to the last member's time, the dispatch wake-up, pass and"
-        " acceptances included.",
-        "Agent CPU: the agents' user and system time from /proc (their members not included)"
-        " over the timed trials, divided by the member jobs run; idle agents count too.",
-        "For scale (measured by the project's owner on this machine, not by this script): Slurm"
-        " 22.05 with 8 slurmd nodes on loopback took a median of 34 to 43 ms from `srun -N k` to"
-        " the last of its k tasks running (k = 2 to 4), and its node side (slurmd, slurmstepd,"
-        " srun) spent about 28 ms of CPU per task started.",
-        "Started after a `CHECKPOINT`"
-        + (
-            f", once the load average was below {settle_load:g} (5 minutes at most)."
-            if settle_load
-            else ", without waiting for the load average to fall."
-        ),
-        f"Targets: spread under {SPREAD_TARGET_MS:.0f} ms and the slowest member running within"
-        f" {START_TARGET_MS:.0f} ms of its StartCluster, at the median, for every size.",
-    ]
-
-
-def section(command: str, r: dict, settle_load: float) -> str:
-    facts = [
-        f"Agent CPU: {r['cpu_ms_per_job']:.1f} ms per job ({r['jobs']} jobs).",
-        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
-        f" `raised unexpected` in Celery's): {len(r['crashes'])}; tracebacks of any kind there:"
-        f" {r['tracebacks']}. Agent log lines at level error: {r['agent_errors']}.",
-        *common.run_facts(command, r["load"]),
-    ]
-    body = common.table(HEADER, rows(r))
-    return common.section_text(SECTION, LEAD, method(r, settle_load), facts, body)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=DATABASE_URL)
+    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB, settle_load=1.5)
     parser.add_argument("--trials", type=int, default=100, help="clusters of each size")
     parser.add_argument("--sizes", default="2,4,8", help="cluster sizes; one agent per seat")
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this first; 0: not",
-    )
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    sizes = [int(n) for n in args.sizes.split(",")]
+    sizes = common.parse_ints(args.sizes)
     if args.trials < 1 or min(sizes) < 1:
         parser.error("--trials and every size must be at least 1")
-    command = shlex.join([".venv/bin/python", "bench/agent.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
-    print(command, flush=True)
-    result = run(sizes, args.trials, args.settle_load)
-    print(f"agent CPU: {result['cpu_ms_per_job']:.1f} ms per job", flush=True)
+    common.start(args)
+    r = run(sizes, args.trials, args.settle_load)
+    facts = [
+        f"Agent CPU: {r['cpu_ms_per_job']:.1f} ms per job ({r['jobs']} jobs).",
+        common.crash_fact(len(r["crashes"]), r["tracebacks"])
+        + f" Agent log lines at level error: {r['agent_errors']}.",
+    ]
     common.finish(
-        HEADER,
-        rows(result),
-        args.write,
-        SECTION,
-        lambda: section(command, result, args.settle_load),
-        crashed=bool(result["crashes"] or result["agent_errors"]),
-        bench=BENCH,
-        figures=figures(result),
+        args,
+        "agent",
+        "## Worker agent: member start",
+        common.table(HEADER, rows(r)),
+        facts,
+        figures(r),
+        load=r["load"],
+        crashed=bool(r["crashes"] or r["agent_errors"]),
     )
 
 

@@ -3,62 +3,24 @@ and the dispatch pass's batched claim (claim_clusters) per cluster.
 
     .venv/bin/python bench/claim.py [--repeat N] [--write docs/benchmarks.md]
 
-Every repetition gets a fresh Queued cluster of half evaluation and half build members, each
-with its own fresh worker (untimed setup); only the call itself is timed. The floor writes the
-same rows (the attempt, one dispatched_job per member, the Queued->Building move of the builds)
-under the same conditions in one transaction on its own connection, batched into one
-statement, and commits only when every row was written. The batch claims BATCH such clusters
-in one call; its time is divided by BATCH.
-
-It uses its own database (DATABASE_URL, default gradient_bench): created and migrated when
-missing, and emptied at the start of every run.
+The method is in docs/benchmarks.md, "Claim latency".
 """
-# ruff: noqa: E402
 
-import argparse
 import gc
 import os
-import shlex
 import statistics
 import sys
 import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)
-os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gradient_bench")
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
-
-import django
-import psycopg
-from psycopg import sql
-
-django.setup()
-
-from django.conf import settings
-from django.core.management import call_command
-from django.db import connection
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import _common as common
-from clusters.claim import ClusterClaim, claim_cluster, claim_clusters
-from clusters.models import ClusterJob, ClusterMember, ClusterStatus
-from gradient.jobs.claim import Assignment, ClaimGate
-from gradient.jobs.models import (
-    EVALUATION_STARTABLE,
-    BuildStatus,
-    DerivationBuild,
-    Evaluation,
-    JobKind,
-    Project,
-)
-from workers.models import Worker
 
 SIZES = (2, 8, 32, 128)
 WARMUP = 5
 BATCH = 16  # clusters per claim_clusters call
-SECTION = "## Claim latency"
-BENCH = "claim"  # its name in bench/run, which its summary rows carry
 TARGET_SIZE, TARGET_RATIO = 8, 2.0  # claim within 2x of the floor at 8 members
 
 FLOOR_SQL = """
@@ -97,40 +59,29 @@ SELECT (SELECT count(*) FROM attempt), (SELECT count(*) FROM claimed),
 """
 
 
-def ensure_database() -> None:
-    name = connection.settings_dict["NAME"]
-    with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as c:
-        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-            c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    call_command("migrate", verbosity=0)
-    with connection.cursor() as cursor:  # every run starts from the same empty tables
-        cursor.execute(
-            "TRUNCATE dispatched_job, cluster_attempt, cluster_member, cluster_job,"
-            " evaluation, derivation_build, worker, project CASCADE"
-        )
-
-
-def make_claim(project: Project, size: int) -> ClusterClaim:
+def make_claim(project, size: int):
     """A fresh Queued cluster of size // 2 evaluations and the rest builds, one worker each."""
-    cluster = ClusterJob.objects.create(project=project)
-    evals = Evaluation.objects.bulk_create(Evaluation(project=project) for _ in range(size // 2))
-    builds = DerivationBuild.objects.bulk_create(
-        DerivationBuild(project=project, status=BuildStatus.QUEUED) for _ in range(size - size // 2)
-    )
-    ClusterMember.objects.bulk_create(
-        [ClusterMember(cluster_job=cluster, evaluation=e, role="eval") for e in evals]
-        + [ClusterMember(cluster_job=cluster, derivation_build=b, role="build") for b in builds]
-    )
-    workers = Worker.objects.bulk_create(
-        Worker(name=f"bench-{uuid.uuid4()}", token_hash=uuid.uuid4().hex) for _ in range(size)
-    )
-    gates = [ClaimGate(JobKind.EVAL, e.pk) for e in evals]
-    gates += [ClaimGate(JobKind.BUILD, b.pk) for b in builds]
+    from clusters.claim import ClusterClaim
+    from gradient.jobs.claim import Assignment, ClaimGate
+    from gradient.jobs.models import JobKind
+
+    evals = size // 2
+    shape = [("eval", "eval", {}, {})] * evals + [("build", "build", {}, {})] * (size - evals)
+    (cluster,), jobs = common.make_clusters([({"project": project}, shape)])
+    workers = common.make_workers(f"bench-{uuid.uuid4()}" for _ in range(size))
+    gates = [
+        ClaimGate(JobKind.EVAL if i < evals else JobKind.BUILD, j.pk) for i, j in enumerate(jobs)
+    ]
     members = [Assignment(g, w.pk, project.pk) for g, w in zip(gates, workers, strict=True)]
     return ClusterClaim(cluster_id=cluster.pk, members=members)
 
 
-def floor(conn: psycopg.Connection, claim: ClusterClaim) -> bool:
+def floor(conn, claim) -> bool:
+    from django.conf import settings
+
+    from clusters.models import ClusterStatus
+    from gradient.jobs.models import EVALUATION_STARTABLE, BuildStatus, JobKind
+
     members = sorted(claim.members, key=lambda m: m.gate.key)
     is_eval = [m.gate.kind == JobKind.EVAL for m in members]
     params = {
@@ -171,12 +122,10 @@ def timed(call, claim) -> float:
     return elapsed * 1000
 
 
-def p95(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=20)[-1]
-
-
-def batch_times(project: Project, size: int, runs: int) -> list[float]:
+def batch_times(project, size: int, runs: int) -> list[float]:
     """claim_clusters of BATCH fresh clusters, ms per cluster, for each of `runs` calls."""
+    from clusters.claim import claim_clusters
+
     times = []
     for i in range(WARMUP + runs):
         claims = [make_claim(project, size) for _ in range(BATCH)]
@@ -187,6 +136,11 @@ def batch_times(project: Project, size: int, runs: int) -> list[float]:
 
 
 def run(repeat: int) -> list[dict]:
+    import psycopg
+
+    from clusters.claim import claim_cluster
+    from gradient.jobs.models import Project
+
     project = Project.objects.create(name=f"bench-{uuid.uuid4()}")
     rows = []
     with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
@@ -204,53 +158,34 @@ def run(repeat: int) -> list[dict]:
                 {
                     "size": size,
                     "runs": runs,
-                    "claim": (statistics.median(claims), p95(claims)),
-                    "floor": (statistics.median(floors), p95(floors)),
+                    "claim": common.median_p(claims, 95),
+                    "floor": common.median_p(floors, 95),
                     "ratio": statistics.median(claims) / statistics.median(floors),
-                    "batch": (statistics.median(batches), p95(batches), len(batches)),
+                    "batch": (*common.median_p(batches, 95), len(batches)),
                 }
             )
-            print(table_row(rows[-1]), flush=True)
+            print(" | ".join(map(str, table_row(rows[-1]))), flush=True)
     return rows
 
 
 HEADER = (
-    "| members | runs | claim median ms | claim p95 ms | floor median ms | floor p95 ms"
-    " | claim/floor | batch runs | batch median ms/cluster | batch p95 ms/cluster | batch/floor |"
-    "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "members | runs | claim median ms | claim p95 ms | floor median ms | floor p95 ms"
+    " | claim/floor | batch runs | batch median ms/cluster | batch p95 ms/cluster | batch/floor"
 )
 
 
-def table_row(r: dict) -> str:
+def table_row(r: dict) -> list:
     (cm, cp), (fm, fp), (bm, bp, bn) = r["claim"], r["floor"], r["batch"]
-    return (
-        f"| {r['size']} | {r['runs']} | {cm:.2f} | {cp:.2f} | {fm:.2f} | {fp:.2f}"
-        f" | {r['ratio']:.2f}x | {bn} | {bm:.2f} | {bp:.2f} | {bm / fm:.2f}x |"
-    )
-
-
-LEAD = (
-    "`claim_cluster`, the wall time of one call, against a floor that writes the same rows, and"
-    " the dispatch pass's batched claim per cluster (see `bench/claim.py`)."
-)
-
-
-def method() -> list[str]:
+    ms = [f"{x:.2f}" for x in (cm, cp, fm, fp)]
     return [
-        "Workload: for every run a fresh Queued cluster, half evaluation and half build members,"
-        f" each member on a fresh worker of its own; only the call is timed, after {WARMUP}"
-        " untimed warm-up runs per size.",
-        "Floor: the same rows (the attempt, a dispatched_job per member, the builds' move to"
-        " Building) in one raw psycopg transaction of one statement, on a connection of its own."
-        " Claim and floor runs alternate, so a change of load hits both alike.",
-        f"Batch: `claim_clusters`, the pass's claim, over {BATCH} such clusters in one call (one"
-        f" transaction, each claim winning or losing alone), divided by {BATCH}: one cluster's"
-        " claim in a pass, without its seats.",
-        "A row: one cluster size; medians and p95s in ms; claim/floor and batch/floor compare"
-        " medians. The ratio moves from run to run, most at 128 members: over four runs on a"
-        " quiet machine, 0.83x to 1.12x at 8 members and 0.65x to 1.52x at 128.",
-        f"Target (issues 3 and 19): within {TARGET_RATIO:g}x of the floor at {TARGET_SIZE}"
-        " members.",
+        r["size"],
+        r["runs"],
+        *ms,
+        f"{r['ratio']:.2f}x",
+        bn,
+        f"{bm:.2f}",
+        f"{bp:.2f}",
+        f"{bm / fm:.2f}x",
     ]
 
 
@@ -268,26 +203,15 @@ def figures(rows: list[dict]) -> list[common.Figure]:
     ]
 
 
-def section(command: str, rows: list[dict], load: str) -> str:
-    body = "\n".join([HEADER, *map(table_row, rows)])
-    return common.section_text(SECTION, LEAD, method(), common.run_facts(command, load), body)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--repeat", type=int, default=200, help="runs per size (a quarter at 128)")
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/claim.py", *sys.argv[1:]])
-    ensure_database()
-    print(f"{command}\n\n{HEADER}", flush=True)
-    before = common.load()
+    common.start(args)
+    common.ensure_database()
     rows = run(args.repeat)
-    if args.write:
-        load = f"{before} at the start, {common.load()} at the end"
-        common.write_section(
-            args.write, SECTION, section(command, rows, load), BENCH, figures(rows)
-        )
+    table = common.table(HEADER, [table_row(r) for r in rows])
+    common.finish(args, "claim", "## Claim latency", table, figures=figures(rows))
 
 
 if __name__ == "__main__":

@@ -3,26 +3,11 @@
     .venv/bin/python bench/health.py [--workers 50] [--flaky 5] [--clusters 200] [--size 3]
         [--retry-budget 2] [--write docs/benchmarks.md]
 
-For each of GRADIENT_QUARANTINE_AFTER=3 (on) and =0 (off), in one run: the bench database is
-emptied, a daphne and a Celery worker and beat are started with that setting, and a fleet of
-reference workers (one process, real WebSockets) serves clusters of builds, all submitted at
-the start. The flaky workers are chosen as `simulate_workers --flaky-rate` chooses them: spread
-over the fleet, every other one refusing each member it is assigned, the others losing their
-members with their connection at the start (so a started attempt fails and spends the retry
-budget). Every worker's store holds every path, so the planner is indifferent between seats and
-a flaky worker is seated as often as any. Measured: clusters Completed and Failed, attempts per
-cluster (every try, prepares that failed included, and the started ones), blamed seats,
-workers quarantined, and the wall time until every cluster finished.
-
-It uses its own database (--database, default gradient_bench; created and migrated when
-missing, emptied at the start of each mode) and Redis database 11.
+The method is in docs/benchmarks.md, "Worker health: quarantine with a flaky share".
 """
 
-import argparse
 import asyncio
-import shlex
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _common as common
 
 REDIS_DB = 11
-SECTION = "## Worker health: quarantine with a flaky share"
 TIMEOUT_SECS = 900.0
 MODES = {"on": 3, "off": 0}
 # Short enough that a failed prepare or a lost member costs seconds, not the defaults' minutes.
@@ -45,11 +29,10 @@ SETTINGS = {
 
 def make_fleet(count: int, flaky: int) -> list[tuple[str, str, object]]:
     from workers.management.commands.simulate_workers import flaky_workers
-    from workers.models import Worker, hash_token
     from workers.simulator import WorkerConfig
 
     names = [f"health-{i:03d}" for i in range(count)]
-    Worker.objects.bulk_create(Worker(name=n, token_hash=hash_token(f"t-{n}")) for n in names)
+    common.make_workers(names)
     ways = flaky_workers(names, flaky / count)
     base = WorkerConfig(
         eval=False,
@@ -61,7 +44,7 @@ def make_fleet(count: int, flaky: int) -> list[tuple[str, str, object]]:
         heartbeat_secs=1.0,
         max_events=100,
     )
-    return [(n, f"t-{n}", replace(base, **ways.get(n, {}))) for n in names]
+    return [(n, common.token(n), replace(base, **ways.get(n, {}))) for n in names]
 
 
 def submit(clusters: int, size: int, budget: int) -> list[int]:
@@ -132,36 +115,20 @@ def run_mode(after: int, args) -> dict:
 
     common.ensure_database()
     members = make_fleet(args.workers, args.flaky)
-    env = common.process_env(**SETTINGS, GRADIENT_QUARANTINE_AFTER=after)
-    common.flush_redis(env["REDIS_URL"])
-    logs = Path(tempfile.mkdtemp(prefix=f"bench-health-{after}-"))
-    procs = common.Processes(env, logs)
-    try:
-        port = common.free_port()
-        procs.daphne(port)
-        procs.celery()
+    with common.stack(f"health-{after}", **SETTINGS, GRADIENT_QUARANTINE_AFTER=after) as procs:
         connection.close()  # the fleet's loop reaches the database from threads of its own
-        seconds = asyncio.run(serve(f"ws://127.0.0.1:{port}/proto", members, args))
-    finally:
-        procs.stop()
-        common.flush_redis(env["REDIS_URL"])
+        seconds = asyncio.run(serve(procs.url, members, args))
     result = tally(seconds)
-    crashed, _ = common.log_problems(procs)
-    result["crashes"] = crashed
-    print(f"quarantine after {after}: {result}; logs in {logs}", flush=True)
+    result["crashes"], _ = procs.problems()
+    print(f"quarantine after {after}: {result}", flush=True)
     return result
 
 
-HEADER = [
-    "quarantine",
-    "clusters Completed",
-    "clusters Failed",
-    "attempts per cluster",
-    "started attempts per cluster",
-    "blamed seats",
-    "workers quarantined",
-    "until all finished s",
-]
+HEADER = (
+    "quarantine | clusters Completed | clusters Failed | attempts per cluster"
+    " | started attempts per cluster | blamed seats | workers quarantined"
+    " | until all finished s"
+)
 
 
 def rows(results: dict) -> list[list]:
@@ -183,31 +150,6 @@ def rows(results: dict) -> list[list]:
     return out
 
 
-LEAD = (
-    "Quarantine at the gang level: the same flaky fleet and clusters with quarantine on and off,"
-    " in one run (see `bench/health.py`)."
-)
-
-
-def method(args) -> list[str]:
-    return [
-        f"Fleet: {args.workers} reference workers, {args.flaky} of them flaky, spread as"
-        " `simulate_workers --flaky-rate` spreads them: every other one refuses every member,"
-        " the others drop their connection at each StartCluster and so lose their members.",
-        f"Work: {args.clusters} clusters of {args.size} builds, retry budget {args.retry_budget},"
-        " all submitted at once. Every store holds every path, so no seat is cheaper than"
-        " another and a flaky worker is seated as often as any.",
-        "Stack: per mode an emptied database with its own daphne, Celery worker and beat;"
-        " prepare timeout 5 s, retry backoff 1 s, a dispatch pass every second.",
-        "Modes: quarantine on (GRADIENT_QUARANTINE_AFTER=3) and off (=0).",
-        "Attempts per cluster count every try, failed prepares included (a refusal fails a"
-        " prepare, which spends no retry); started ones only those that ran (a lost member"
-        " fails a started attempt, which spends one).",
-        "Target: with quarantine on, fewer attempts per cluster and no more clusters Failed"
-        " than with it off.",
-    ]
-
-
 def figures(results: dict) -> list[common.Figure]:
     on, off = results["on"], results["off"]
     return [
@@ -226,45 +168,28 @@ def figures(results: dict) -> list[common.Figure]:
     ]
 
 
-def section(command: str, args, results: dict) -> str:
-    crashes = sum(len(results[m]["crashes"]) for m in MODES)
-    facts = [
-        f"Crash lines in daphne's and Celery's logs: {crashes}.",
-        *common.run_facts(command, results["load"]),
-    ]
-    body = common.table(HEADER, rows({m: results[m] for m in MODES}))
-    return common.section_text(SECTION, LEAD, method(args), facts, body)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=common.DEFAULT_DATABASE_URL)
+    parser = common.parser(__doc__, redis_db=REDIS_DB)
     parser.add_argument("--workers", type=int, default=50)
     parser.add_argument("--flaky", type=int, default=5)
     parser.add_argument("--clusters", type=int, default=200)
     parser.add_argument("--size", type=int, default=3)
     parser.add_argument("--retry-budget", type=int, default=2)
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
     if not 0 <= args.flaky <= args.workers or args.size > args.workers - args.flaky:
         parser.error("--flaky must be 0 to --workers, leaving --size healthy workers")
-    command = shlex.join([".venv/bin/python", "bench/health.py", *sys.argv[1:]])
     common.raise_open_files(args.workers)
-    common.setup(args.database, REDIS_DB)
-    print(command, flush=True)
-    before = common.load()
-    results: dict = {mode: run_mode(after, args) for mode, after in MODES.items()}
-    results["load"] = f"{before} at the start, {common.load()} at the end"
-    crashed = any(results[m]["crashes"] for m in MODES)
+    common.start(args)
+    results = {mode: run_mode(after, args) for mode, after in MODES.items()}
+    crashes = sum(len(r["crashes"]) for r in results.values())
     common.finish(
-        HEADER,
-        rows({m: results[m] for m in MODES}),
-        args.write,
-        SECTION,
-        lambda: section(command, args, results),
-        crashed,
-        bench="health",
-        figures=figures(results),
+        args,
+        "health",
+        "## Worker health: quarantine with a flaky share",
+        common.table(HEADER, rows(results)),
+        [f"Crash lines in daphne's and Celery's logs: {crashes}."],
+        figures(results),
+        crashed=bool(crashes),
     )
 
 

@@ -2,20 +2,9 @@
 
     .venv/bin/python bench/history.py [--sizes 20000,200000] [--write docs/benchmarks.md]
 
-A busy CI keeps 30 days of finished clusters. The rows are bulk-loaded in one statement per
-size (untimed): each cluster Completed, with two evaluation members, one Succeeded attempt and
-two Completed assignments, created over the last 30 days. Timed: each page's server time
-through Django's test client, logged in as a superuser, best of 3 after one untimed request.
-Before timing, the new clusters are folded into the metrics' tally, as successive scrapes do
-after an upgrade (and as each scrape does for what finished since the one before); that time is
-reported apart.
-
-It uses its own database (--database-url, default gradient_h6_bench): created and migrated
-when missing, emptied at the start.
+The method is in docs/benchmarks.md, "History kept".
 """
 
-import argparse
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,8 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _common as common
 
-DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_h6_bench"
-REDIS_DB = 5
+DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_history"
 SECTION = "## History kept"
 BENCH = "history"
 REPEAT = 3
@@ -149,15 +137,11 @@ def measure(size: int, client) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, database=DATABASE_URL, redis_db=5)
     parser.add_argument("--sizes", default="20000,200000", help="cluster counts, ascending")
-    parser.add_argument("--database-url", default=DATABASE_URL)
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    command = shlex.join([".venv/bin/python", "bench/history.py", *sys.argv[1:]])
-
-    common.setup(args.database_url, REDIS_DB)
+    sizes = common.parse_ints(args.sizes)
+    common.start(args)
     common.ensure_database()
     from django.contrib.auth import get_user_model
     from django.test import Client
@@ -168,23 +152,13 @@ def main() -> None:
     )
     client = Client()
     client.force_login(user)
-    load_before = common.load()
     results, loaded = {}, 0
     for size in sizes:
         took = load_clusters(loaded, size)
         print(f"loaded {size - loaded:,} clusters in {took:.1f} s", flush=True)
         loaded = size
         results[size] = measure(size, client)
-    load = f"{load_before} at the start, {common.load()} at the end"
-    print(text_table(sizes, results))
-    if args.write:
-        common.write_section(
-            args.write,
-            SECTION,
-            section(command, sizes, results, load),
-            BENCH,
-            figures(sizes, results),
-        )
+    common.finish(args, BENCH, SECTION, text_table(sizes, results), (), figures(sizes, results))
 
 
 def growth(sizes, results, name) -> float:
@@ -229,29 +203,6 @@ def figures(sizes, results) -> list:
             )
         )
     return out
-
-
-def section(command: str, sizes, results, load: str) -> str:
-    from bench._common import machine, paragraph
-
-    prose = (
-        f"Server time of each page, in ms, best of {REPEAT} after one untimed request, through"
-        " Django's test client logged in as a superuser (no network, no browser), with"
-        f" {' and '.join(f'{s:,}' for s in sizes)} finished clusters kept. Each cluster is"
-        " Completed, with two evaluation members, one started and Succeeded attempt and two"
-        " Completed assignments, created over 30 days; the rows are bulk-loaded in one"
-        " statement per size and vacuumed, as autovacuum would. Before the pages are timed, the new"
-        " clusters are folded into the metrics' tally in batches, as the scrapes after an"
-        " upgrade fold them (each scrape folds what finished since the one before); that time"
-        " is shown apart."
-    )
-    run = (
-        f"Command: `{command}`. Machine: {machine()}, on the same host over TCP, shared with"
-        f" other work (load average {load})."
-    )
-    return (
-        "\n\n".join([SECTION, text_table(sizes, results), paragraph(prose), paragraph(run)]) + "\n"
-    )
 
 
 if __name__ == "__main__":

@@ -6,43 +6,10 @@ snapshot.
                                         [--passes N] [--tick S] [--job-passes LO-HI]
                                         [--runs 3] [--write docs/benchmarks.md]
 
-Each depth runs --runs times, the depths in turn and then again; the target takes the median
-of the deepest queue's runs.
-
-The real code in one process, no daphne or Celery: worker rows as if connected (channel_name
-set), Channels' in-memory layer, and the reference worker's deterministic scorer
-(workers.simulator.missing_cost) standing in for each worker's store. For each depth, a fresh
-database: the fleet, and a queue of clusters of 2 to 4 members topped up to the depth before
-every pass. Then ticks, each:
-
-1. clusters whose run ended report JobCompleted (sessions.reports); every slot so freed, and
-   every idle slot once per heartbeat, asks as its session would: the head is read and offered
-   (sessions.request_job.read_head), the JobOffer answered with the scorer (Offered.record,
-   offers.record_scores), then the RequestJob answered (assignment.request_job, which finds no
-   single job and records the idle slot);
-2. a snapshot as the pass will see it (dispatch.snapshot over startable_clusters), then the
-   real run_pass(); the JobOffers it sent are answered at once, from its job_score rows without
-   a score, so the clusters it held for them are placed by a later pass;
-3. for the clusters it claimed: the scorer's bytes over their seats (the dispatched_job rows of
-   the new attempt) against planner.plan() over the same snapshot (its workers, its book in
-   order up to the last cluster claimed) with every pair scored; then each seat accepts
-   (reports.job_accepted) and its cluster runs for --job-passes passes (so the pass sees the
-   same turnover at every depth, however long a pass takes).
-
-PostgreSQL's autovacuum is off on the shared bench machine; without it job_score's churn (rows
-written by offers, updated by answers, deleted as jobs leave the head) made a pass over 2,000
-clusters take 8 to 18 s. The bench runs VACUUM ANALYZE every few seconds, as autovacuum would.
-
-It uses its own database (--database, default gradient_placement; created and migrated when
-missing, emptied before each depth) and Redis database 14 (what run_pass queues for Celery
-lands there and is flushed).
+The method is in docs/benchmarks.md, "Placement quality".
 """
 
-import argparse
-import logging
-import os
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -56,8 +23,6 @@ from bench import _common as common
 
 REDIS_DB = 14
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_placement"
-SECTION = "## Placement quality"
-BENCH = "placement"  # its name in bench/run, which its summary rows carry
 TARGET = 1.1  # chosen bytes at most this times full scoring's (issue #18)
 ZONES = ("a", "b", "c")
 PATH_POOL = 3000  # store paths the jobs draw theirs from, so jobs share some
@@ -161,26 +126,20 @@ class Fleet:
 
 
 def make_fleet(count: int, rng: random.Random) -> Fleet:
-    from django.utils import timezone
+    def build_only(i: int) -> bool:
+        return i % BUILD_ONLY_EVERY == BUILD_ONLY_EVERY - 1
 
-    from workers.models import Worker
-
-    now = timezone.now()
-    rows = Worker.objects.bulk_create(
-        Worker(
-            name=f"pl-{i}",
-            token_hash=f"{i:064x}",
-            architectures=["x86_64-linux"],
-            max_concurrent_builds=1,
-            max_concurrent_evals=0 if i % BUILD_ONLY_EVERY == BUILD_ONLY_EVERY - 1 else 1,
-            can_eval=i % BUILD_ONLY_EVERY != BUILD_ONLY_EVERY - 1,
-            can_build=True,
-            zone=ZONES[i % len(ZONES)],
-            channel_name=f"bench.placement!{i}",  # as if connected: the pass seats only those
-            connected_at=now,
-            last_seen_at=now,
-        )
-        for i in range(count)
+    rows = common.make_workers(
+        (f"pl-{i}" for i in range(count)),
+        connected=True,  # the pass seats only those
+        each=lambda i: {
+            "max_concurrent_evals": 0 if build_only(i) else 1,
+            "can_eval": not build_only(i),
+            "zone": ZONES[i % len(ZONES)],
+        },
+        architectures=["x86_64-linux"],
+        max_concurrent_builds=1,
+        can_build=True,
     )
     return Fleet(rows, [rng.uniform(*HAVE) for _ in rows])
 
@@ -195,33 +154,21 @@ class Queue:
         self.paths: dict[str, list[str]] = {}  # job key -> paths
 
     def add(self, count: int) -> None:
-        from clusters.models import ClusterJob, ClusterMember
-        from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
-
         rng = self.rng
-        clusters = ClusterJob.objects.bulk_create(
-            ClusterJob(project=self.project, same_zone=rng.random() < SAME_ZONE_SHARE)
-            for _ in range(count)
+        zoned = [rng.random() < SAME_ZONE_SHARE for _ in range(count)]
+        shapes = [[rng.random() < EVAL_SHARE for _ in range(rng.randint(2, 4))] for _ in zoned]
+        paths = [[rng.sample(self.POOL, rng.randint(*PATHS_PER_JOB)) for _ in s] for s in shapes]
+        _, jobs = common.make_clusters(
+            (
+                {"project": self.project, "same_zone": same_zone},
+                [
+                    ("node", "eval" if e else "build", {"paths": p}, {})
+                    for e, p in zip(s, ps, strict=True)
+                ],
+            )
+            for same_zone, s, ps in zip(zoned, shapes, paths, strict=True)
         )
-        shapes = [[rng.random() < EVAL_SHARE for _ in range(rng.randint(2, 4))] for _ in clusters]
-
-        def job(is_eval: bool):
-            paths = rng.sample(self.POOL, rng.randint(*PATHS_PER_JOB))
-            if is_eval:
-                return Evaluation(project=self.project, paths=paths)
-            return DerivationBuild(project=self.project, paths=paths, status=BuildStatus.QUEUED)
-
-        jobs = [job(is_eval) for shape in shapes for is_eval in shape]
         self.paths.update((j.job_key, j.paths) for j in jobs)
-        Evaluation.objects.bulk_create(j for j in jobs if isinstance(j, Evaluation))
-        DerivationBuild.objects.bulk_create(j for j in jobs if isinstance(j, DerivationBuild))
-        members, at = [], iter(jobs)
-        for cluster, shape in zip(clusters, shapes, strict=True):
-            for is_eval in shape:
-                job = next(at)
-                how = {"evaluation": job} if is_eval else {"derivation_build": job}
-                members.append(ClusterMember(cluster_job=cluster, role="node", **how))
-        ClusterMember.objects.bulk_create(members, batch_size=5000)
 
     def top_up(self, depth: int) -> None:
         from django.db import connection
@@ -383,19 +330,12 @@ def tick(run: Run, fleet: Fleet, queue: Queue, running: Running, measuring: bool
     run.ticks += 1
 
 
-def vacuum() -> None:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM ANALYZE {', '.join(common.project_tables())}")
-
-
 def run_one(depth: int, args) -> Run:
     from gradient.jobs.models import Project
 
     started = time.monotonic()
     common.ensure_database()
-    common.flush_redis(os.environ["REDIS_URL"])
+    common.flush_redis()
     rng = random.Random(SEED)
     fleet = make_fleet(args.workers, rng)
     queue = Queue(Project.objects.create(name="placement"), rng)
@@ -409,12 +349,12 @@ def run_one(depth: int, args) -> Run:
     while run.ticks < args.warmup + args.passes:
         began = time.monotonic()
         if began - vacuumed >= VACUUM_SECS:
-            vacuum()
+            common.analyze(vacuum=True)
             vacuumed = began
         tick(run, fleet, queue, running, measuring=run.ticks >= args.warmup)
         time.sleep(max(0.0, args.tick - (time.monotonic() - began)))
     run.load = common.load()
-    common.flush_redis(os.environ["REDIS_URL"])
+    common.flush_redis()
     run.wall = time.monotonic() - started
     print(f"  {depth:,} queued, {run.workers} workers: " + ", ".join(map(str, row(run)[2:])))
     return run
@@ -437,22 +377,11 @@ def totals(run: Run) -> dict:
     return out
 
 
-HEADER = [
-    "queued clusters",
-    "workers",
-    "passes (placing)",
-    "placements / seats",
-    "chosen GiB",
-    "full scoring GiB",
-    "chosen / full",
-    "per pass median / p95",
-    "unscored seats",
-    "pairs scored",
-    "held for scores (clusters / passes)",
-    "pass median s",
-    "wall s",
-    "load",
-]
+HEADER = (
+    "queued clusters | workers | passes (placing) | placements / seats | chosen GiB"
+    " | full scoring GiB | chosen / full | per pass median / p95 | unscored seats"
+    " | pairs scored | held for scores (clusters / passes) | pass median s | wall s | load"
+)
 
 
 def row(run: Run) -> list:
@@ -466,7 +395,7 @@ def row(run: Run) -> list:
         f"{t['chosen'] / gib:,.0f}",
         f"{t['reference'] / gib:,.0f}",
         f"{t['ratio']:.3f}",
-        f"{statistics.median(r):.3f} / {common.percentile(r, 95):.3f}" if r else "-",
+        f"{common.percentile(r, 50):.3f} / {common.percentile(r, 95):.3f}" if r else "-",
         f"{t['unscored'] / max(t['seats'], 1):.1%}",
         f"{t['scored_pairs'] / max(t['pairs'], 1):.1%}",
         f"{t['held']:,} / {t['waiting']}",
@@ -492,104 +421,45 @@ def figures(runs: list[Run]) -> list[common.Figure]:
     ]
 
 
-LEAD = (
-    "Issue #18's placement quality: on a deep queue, the bytes the seats chosen by the dispatch"
-    " pass must fetch, against the planner's cheapest seating of the same clusters with every"
-    " pair scored on the same snapshot (see `bench/placement.py`)."
-)
-
-
-def method(args) -> list[str]:
-    lo, hi = args.job_passes
-    return [
-        "Stack: the real code in one process, no daphne or Celery; a database and Redis"
-        f" database {REDIS_DB} of its own, Channels' in-memory layer, worker rows as if connected.",
-        f"Fleet: {args.workers} workers in zones a/b/c, one in {BUILD_ONLY_EVERY} build-only, one"
-        f" slot per kind. Each holds {HAVE[0]:.0%} to {HAVE[1]:.0%} of a pool of {PATH_POOL:,}"
-        " store paths; scores come from the reference worker's `missing_cost`.",
-        f"Queue: clusters of 2 to 4 members ({EVAL_SHARE:.0%} evaluations, a third same_zone),"
-        f" each job {PATHS_PER_JOB[0]} to {PATHS_PER_JOB[1]} paths; topped up to the depth"
-        " before every pass.",
-        f"A tick: clusters that ran {lo} to {hi} passes report JobCompleted. Each freed slot, and"
-        f" each free one every {HEARTBEAT_SECS} s, asks as its session would (`read_head`, the"
-        " JobOffer answered, `request_job`). Then `run_pass()`; its JobOffers are answered at"
-        " once, its seats accept.",
-        "Full scoring: `planner.plan()` over `dispatch.snapshot()` taken just before the pass"
-        " (its workers, its book in order up to the last cluster claimed, held ones included),"
-        " every pair scored; compared on the clusters the pass claimed.",
-        "A row: one run of one depth. Unscored seats: claimed without a score. Pairs scored:"
-        " of the (idle worker, member) pairs that could seat the claimed clusters, those with a"
-        " score at the pass. Held: clusters a pass offered and did not claim / passes that held"
-        " some.",
-        f"{args.passes} passes measured per depth after {args.warmup} of warm-up. VACUUM ANALYZE"
-        f" every {VACUUM_SECS} s, as autovacuum would: it is off on this server.",
-        f"Target (issue #18): chosen bytes at most {TARGET:g} x full scoring's on the deep"
-        " queue, judged on the median of its runs.",
-        f"Runs: {args.runs} of each depth, the depths in turn and then again, each on the same"
-        " seeded fleet and queue. The ratio still moves from run to run: the sessions ask on"
-        " the wall clock, so which seats have answered at a pass varies.",
-    ]
-
-
-def section(command: str, runs: list[Run], args) -> str:
-    odd = sum(r.outside + r.mismatched for r in runs)
-    unseated = sum(totals(r)["unseated"] for r in runs)
-    facts = [
-        f"Checks: seats off the snapshot, or whose recorded score is not the scorer's: {odd};"
-        f" claimed clusters that full scoring could not seat (left out): {unseated}.",
-        *common.run_facts(command, "in the table"),
-    ]
-    body = common.table(HEADER, [row(r) for r in runs])
-    return common.section_text(SECTION, LEAD, method(args), facts, body)
-
-
-def passes_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=DATABASE_URL)
+    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB, runs=3)
     parser.add_argument("--depths", default="200,2000", help="queued clusters")
-    parser.add_argument(
-        "--runs", type=int, default=3, help="runs of each depth; the target takes the median"
-    )
     parser.add_argument("--workers", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10, help="passes before measuring")
     parser.add_argument("--passes", type=int, default=25, help="passes measured per depth")
     parser.add_argument("--tick", type=float, default=0.5, help="seconds between passes at least")
     parser.add_argument(
-        "--job-passes", type=passes_range, default=(3, 10), metavar="LO-HI", help="a run's length"
+        "--job-passes",
+        type=common.parse_range,
+        default=(3, 10),
+        metavar="LO-HI",
+        help="a run's length",
     )
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    depths = [int(n) for n in args.depths.split(",")]
+    args.job_passes = tuple(map(int, args.job_passes))
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    command = shlex.join([".venv/bin/python", "bench/placement.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
-    from channels.layers import channel_layers
-    from django.conf import settings
-
-    # Nothing listens on the workers' groups: the bench reads what the pass wrote instead.
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    channel_layers.backends.clear()
-    logging.getLogger("clusters").setLevel(logging.WARNING)  # a line per claim is noise here
-    print(command, flush=True)
+    common.start(args)
+    common.in_memory_layer()  # the bench reads what the pass wrote instead
     runs = []
     for run in range(1, args.runs + 1):  # the depths in turn, then again
-        for depth in depths:
+        for depth in common.parse_ints(args.depths):
             runs.append(replace(run_one(depth, args), run=run if args.runs > 1 else 0))
+    odd = sum(r.outside + r.mismatched for r in runs)
+    unseated = sum(totals(r)["unseated"] for r in runs)
+    check = (
+        f"Checks: seats off the snapshot, or whose recorded score is not the scorer's: {odd};"
+        f" claimed clusters that full scoring could not seat (left out): {unseated}."
+    )
     common.finish(
-        HEADER,
-        [row(r) for r in runs],
-        args.write,
-        SECTION,
-        lambda: section(command, runs, args),
-        crashed=any(r.outside or r.mismatched for r in runs),  # the bench misread the pass
-        bench=BENCH,
-        figures=figures(runs),
+        args,
+        "placement",
+        "## Placement quality",
+        common.table(HEADER, [row(r) for r in runs]),
+        [check],
+        figures(runs),
+        load="in the table",
+        crashed=bool(odd),  # the bench misread the pass
     )
 
 

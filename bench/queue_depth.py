@@ -1,44 +1,24 @@
 """The deep queue: builds per second with 500 and 20,000 builds queued, and the depth's cost.
 
-The same fleet and window at both depths; the cost is job_score rows and cores per process.
-
     .venv/bin/python bench/queue_depth.py [--depths 500,20000] [--workers 100]
                                           [--job-secs 0.2-0.6] [--warmup S] [--window S]
                                           [--samples N] [--write docs/benchmarks.md]
 
-For each depth, on a fresh database and Redis database 13 of the bench's own: the web process
-(`python -m gradient.serve`), a Celery worker (-c 2) and beat as subprocesses; N builds of one
-project queued with the operator command `submit_job --project P --kind build --count N`
-(called in this process); then the fleet, `manage.py simulate_workers --count 100 --no-eval
---max-builds 1 --job-secs 0.2-0.6`, as a subprocess of its own, so that its CPU is its own and
-not the feeder's. A feeder thread tops the queue up to N with the same command whenever it is
-1% short. Only the public interface is used: processes, operator commands, the reference
-workers, and the database's rows for counting.
-
-Measured over a steady window after the fleet connected and a warm-up: builds completed per
-second (dispatched_job rows that ended Completed in the window), the job_score rows (counted
---samples times), the queued builds actually held (min / max of every read), cores used per
-process (CPU seconds from /proc over the window), jobs failed, the load average. The targets
-are issue #18's; the job_score bound uses GRADIENT_OFFER_WINDOW from the environment
-(default 32), which the servers started here read too.
-
-It uses its own database (--database, default gradient_queue_depth; created and migrated when
-missing, emptied before each depth) and Redis database 13.
+The method is in docs/benchmarks.md, "Deep queue". The job_score bound uses
+GRADIENT_OFFER_WINDOW from the environment (default 32), which the servers started here read.
 """
 
-import argparse
 import io
 import itertools
 import json
 import os
-import shlex
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,8 +27,6 @@ from bench import _common as common
 
 REDIS_DB = 13
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_queue_depth"
-SECTION = "## Deep queue"
-BENCH = "queue-depth"  # its name in bench/run, which its summary rows carry
 PROJECT = "qd-builds"
 TARGET_RATE = 150.0  # builds per second, at every depth
 TARGET_SPREAD = 0.10  # the depths' rates within 10% of each other
@@ -110,12 +88,6 @@ class DepthFeeder(common.Feeder):
             self.submitted += submit(self.depth - n)
 
 
-def connected_workers() -> int:
-    from workers.models import Worker
-
-    return Worker.objects.filter(channel_name__isnull=False).count()
-
-
 def score_rows() -> tuple[int, int]:
     """job_score's rows, and those of them for builds still queued (the rest wait for the
     pruning pass)."""
@@ -151,20 +123,6 @@ def completed_since(since) -> int:
     return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
 
 
-def window_outcomes(since, until) -> Counter:
-    """The assignments that ended in the window, by outcome."""
-    from django.db.models import Count
-
-    from gradient.jobs.models import DispatchedJob
-
-    rows = (
-        DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
-    return Counter(dict(rows))
-
-
 def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -> dict:
     """The window, sampled from this thread: the backends' CPU, the depth and the active
     statements every OBSERVE_SECS, job_score at --samples evenly spaced times."""
@@ -194,7 +152,10 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     cpu = meter.stop()
     until, secs = timezone.now(), time.monotonic() - began
     feeder.measuring = False
-    ended = window_outcomes(since, until)
+    from gradient.jobs.models import DispatchedJob
+
+    window = DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
+    ended = common.count_by(window, "outcome")
     return {
         "window": secs,
         "completed": ended.get("Completed", 0),
@@ -211,19 +172,14 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
 
 
 def fleet_command(args, url: str) -> list[str]:
+    options = (
+        f"--count {args.workers} --prefix qd --no-eval --max-builds 1 --job-secs {args.job_secs}"
+    )
     return [
         str(common.VENV_BIN / "python"),
         "manage.py",
         "simulate_workers",
-        "--count",
-        str(args.workers),
-        "--prefix",
-        "qd",
-        "--no-eval",
-        "--max-builds",
-        "1",
-        "--job-secs",
-        args.job_secs,
+        *options.split(),
         "--url",
         url,
     ]
@@ -247,13 +203,25 @@ def feed_tick(args, depth: int) -> float:
 
 def wait_connected(args, fleet) -> float:
     began = time.monotonic()
-    while connected_workers() < args.workers:
+
+    def ready():
         if fleet.poll() is not None:
             raise RuntimeError(f"the fleet exited with {fleet.returncode}")
-        if time.monotonic() - began > args.connect_timeout:
-            break  # measured anyway, with how many were connected
-        time.sleep(0.2)
+        return common.connected() >= args.workers
+
+    with suppress(TimeoutError):  # measured anyway, with how many were connected
+        common.until(ready, args.connect_timeout, "whole fleet", tick=0.2)
     return time.monotonic() - began
+
+
+@contextmanager
+def stopping(feeder: DepthFeeder, feeding: threading.Thread):
+    try:
+        yield
+    finally:
+        feeder.stop.set()
+        if feeding.is_alive():
+            feeding.join()
 
 
 def run_one(depth: int, args) -> dict:
@@ -262,37 +230,22 @@ def run_one(depth: int, args) -> dict:
     common.ensure_database()
     common.settle(args.settle_load)
     call_command("create_project", PROJECT, stdout=io.StringIO())
-    env = common.process_env()
-    common.flush_redis(env["REDIS_URL"])
-    logs = Path(tempfile.mkdtemp(prefix=f"bench-queue-depth-{depth}-"))
-    procs = common.Processes(env, logs)
     feeder = DepthFeeder(depth, feed_tick(args, depth))
     feeding = threading.Thread(target=feeder.run, name="feeder")
-    try:
-        port = common.free_port()
-        procs.daphne(port)
-        procs.celery()
+    with common.stack(f"queue-depth-{depth}") as procs, stopping(feeder, feeding):
         filled = time.monotonic()
         submit(depth)
         filled = time.monotonic() - filled
         common.analyze()
         feeding.start()
-        fleet = procs.start("fleet", *fleet_command(args, f"ws://127.0.0.1:{port}/proto"))
+        fleet = procs.start("fleet", *fleet_command(args, procs.url))
         connect_secs = wait_connected(args, fleet)
-        connected = connected_workers()
+        connected = common.connected()
         # Statistics again as the fleet's rows arrive (the database was emptied moments ago).
-        common.analyze()
-        time.sleep(args.warmup / 2)
-        common.analyze()
-        time.sleep(args.warmup / 2)
+        common.warm_up(args.warmup)
         # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
         own = [pid for pid in (backend_pid(), feeder.backend) if pid is not None]
-        groups = {
-            "daphne": procs.pids("daphne"),
-            "celery": procs.pids("celery-worker", "celery-beat"),
-            "fleet": procs.pids("fleet"),
-            "bench_postgres": own,
-        }
+        groups = {**procs.groups(), "fleet": procs.pids("fleet"), "bench_postgres": own}
         meter = common.CpuMeter(groups, this_process="bench", exclude_backends=own)
         result = measure(args, feeder, meter, own)
         feeder.stop.set()
@@ -301,14 +254,7 @@ def run_one(depth: int, args) -> dict:
             raise feeder.error
         common.Processes.kill(fleet, signal.SIGTERM)  # it prints its summary
         result["fleet"] = fleet_summary(procs.log_text("fleet"))
-        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
-        result["crashes"], result["tracebacks"] = common.log_problems(procs)
-    finally:
-        feeder.stop.set()
-        if feeding.is_alive():
-            feeding.join()
-        procs.stop()
-        common.flush_redis(env["REDIS_URL"])
+        result["crashes"], result["tracebacks"] = procs.problems()
     result.update(
         depth=depth,
         connected=connected,
@@ -316,7 +262,7 @@ def run_one(depth: int, args) -> dict:
         fill_secs=filled,
         tick=feeder.tick,
         submitted=feeder.submitted,
-        logs=str(logs),
+        logs=str(procs.logs),
     )
     report(result)
     return result
@@ -362,17 +308,14 @@ def score_limit(workers: int) -> int:
     return workers * 2 * OFFER_WINDOW
 
 
-HEADER = [
-    "builds queued (N)",
-    "builds completed/s",
-    "builds/s in the window's first / last part (steady if alike)",
-    "job_score rows: max / median",
-    "queue held: min / max",
-    "jobs failed / abandoned",
-    "cores used: daphne, Celery, PostgreSQL, fleet",
-    "cores used by the bench: feeder and sampler / their PostgreSQL backends",
-    "load average (start / end)",
-]
+HEADER = (
+    "builds queued (N) | builds completed/s"
+    " | builds/s in the window's first / last part (steady if alike)"
+    " | job_score rows: max / median | queue held: min / max | jobs failed / abandoned"
+    " | cores used: daphne, Celery, PostgreSQL, fleet"
+    " | cores used by the bench: feeder and sampler / their PostgreSQL backends"
+    " | load average (start / end)"
+)
 
 
 def rows(results: list[dict], workers: int) -> list[list]:
@@ -427,92 +370,40 @@ def figures(results: list[dict], workers: int) -> list[common.Figure]:
     return out
 
 
-LEAD = (
-    "The deep-queue workload of issue #18: the same fleet and window with hundreds and with tens"
-    " of thousands of single builds queued (see `bench/queue_depth.py`)."
-)
-
-
-def method(args, ticks: str) -> list[str]:
-    window_source = "from the environment" if "GRADIENT_OFFER_WINDOW" in os.environ else "default"
-    fleet = " ".join(fleet_command(args, "ws://HOST:PORT/proto")[1:])
-    return [
-        "Stack: the web process (`python -m gradient.serve`, one daphne per core), one Celery"
-        f" worker (`-c 2`) and beat, as subprocesses on a database and Redis database {REDIS_DB}"
-        " of the bench's own, all started afresh for each depth.",
-        f"Fleet: `{fleet}`, a subprocess of its own (its CPU is its own column).",
-        "Queue: single builds of one project, queued with `submit_job --project P --kind build"
-        " --count N` before the fleet connects. A feeder thread tops it up to N with the same"
-        f" command once it is {SHORT_SHARE:.0%} short, reading it every {ticks}.",
-        f"Window: {args.window:g} s after the fleet connected (within {args.connect_timeout:g} s,"
-        f" or the row says how many did) and {args.warmup:g} s of warm-up, with an `ANALYZE`"
-        " after the queue was filled and twice in the warm-up. Each depth starts after a"
-        f" `CHECKPOINT`, once the load average is below {args.settle_load:g} (5 minutes at most).",
-        "A row: one depth. Builds completed/s: dispatched_job rows that ended Completed in the"
-        " window, over its length; the first and last parts of the window (between two"
-        " job_score counts) show whether it was steady. Queue held: every read of the queued"
-        " builds in the window.",
-        f"job_score rows: `count(*)` at {args.samples} evenly spaced times in the window. Bound:"
-        f" workers x 2 x GRADIENT_OFFER_WINDOW = {args.workers} x 2 x {OFFER_WINDOW}"
-        f" ({window_source}) = {score_limit(args.workers):,}.",
-        "Cores used: CPU seconds over the window from `/proc`, divided by its length: daphne,"
-        " Celery (worker, pool, beat), the PostgreSQL backends serving the bench database, the"
-        " fleet; the bench's feeder and sampler, and their two backends, apart.",
-        f"Targets (issue #18): at least {TARGET_RATE:.0f} builds/s at every depth, within"
-        f" {TARGET_SPREAD:.0%} of each other; job_score rows at most workers x 2 x window.",
-    ]
-
-
-def section(command: str, results: list[dict], args) -> str:
-    crashes = sum(len(r["crashes"]) for r in results)
-    tracebacks = sum(r["tracebacks"] for r in results)
-    ticks = ", ".join(f"{r['tick']:.2f} s at {r['depth']:,}" for r in results)
-    facts = [
-        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
-        f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
-        f" {tracebacks}.",
-        *common.run_facts(command, "in the table"),
-    ]
-    body = common.table(HEADER, rows(results, args.workers))
-    return common.section_text(SECTION, LEAD, method(args, ticks), facts, body)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=DATABASE_URL)
+    parser = common.parser(
+        __doc__,
+        DATABASE_URL,
+        REDIS_DB,
+        warmup=10.0,
+        window=30.0,
+        connect_timeout=120.0,
+        settle_load=1.5,
+    )
     parser.add_argument("--depths", default="500,20000", help="queued builds, one run each")
     parser.add_argument("--workers", type=int, default=100)
     parser.add_argument("--job-secs", default="0.2-0.6", metavar="LO-HI")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
     parser.add_argument("--samples", type=int, default=7, help="job_score counts in the window")
-    parser.add_argument(
-        "--connect-timeout", type=float, default=120.0, help="seconds to wait for the fleet"
-    )
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
-    )
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
     if args.samples < 2:
         parser.error("--samples must be at least 2 (the window's start and end)")
-    depths = [int(n) for n in args.depths.split(",")]
-    command = shlex.join([".venv/bin/python", "bench/queue_depth.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
-    print(command, flush=True)
-    results = [run_one(n, args) for n in depths]
+    common.start(args)
+    results = [run_one(n, args) for n in common.parse_ints(args.depths)]
+    crashes = sum(len(r["crashes"]) for r in results)
+    ticks = ", ".join(f"{r['tick']:.2f} s at {r['depth']:,}" for r in results)
+    facts = [
+        f"The feeder read the queue every {ticks}.",
+        common.crash_fact(crashes, sum(r["tracebacks"] for r in results)),
+    ]
     common.finish(
-        HEADER,
-        rows(results, args.workers),
-        args.write,
-        SECTION,
-        lambda: section(command, results, args),
-        crashed=any(r["crashes"] for r in results),
-        bench=BENCH,
-        figures=figures(results, args.workers),
+        args,
+        "queue-depth",
+        "## Deep queue",
+        common.table(HEADER, rows(results, args.workers)),
+        facts,
+        figures(results, args.workers),
+        load="in the table",
+        crashed=bool(crashes),
     )
 
 

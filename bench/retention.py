@@ -2,20 +2,9 @@
 
     .venv/bin/python bench/retention.py [--repeat N] [--write docs/benchmarks.md]
 
-Every repetition rebuilds the rows with raw SQL (untimed). Every cluster has one attempt with
-a dispatched_job row per member. 100,000 finished clusters past the cutoff, nine in ten with
-an evaluation member, the tenth without (evaluation garbage collection took it); 10,000 young
-finished ones with members, which stay; 1,000 young finished ones without members, which go
-at once; 100 active ones as old as the first (with members; the Running ones with an open
-attempt). Only run_retention() is timed, and it must delete exactly the 101,000.
-
-It uses its own database (--database-url, default gradient_bench_retention): created and
-migrated when missing, and emptied at the start of every repetition.
+The method is in docs/benchmarks.md, "Retention pass".
 """
 
-import argparse
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -23,9 +12,12 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common as common
+
 FINISHED, ACTIVE, YOUNG, YOUNG_GONE = 100_000, 100, 10_000, 1_000
 DELETED = FINISHED + YOUNG_GONE
-SECTION = "## Retention pass"
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_retention"
 
 # One statement per group of clusters: the clusters, each with an attempt (open or finished)
@@ -72,11 +64,10 @@ def populate(cursor, old, young) -> None:
     """The groups of the module's docstring, `old` past the cutoff and `young` not, under a
     project and worker of their own, oldest first (as ids grow in production)."""
     from gradient.jobs.models import Project
-    from workers.models import Worker
 
     name = f"retention-{uuid.uuid4()}"
     project = Project.objects.create(name=name).pk
-    worker = Worker.objects.create(name=name, token_hash=uuid.uuid4().hex).pk
+    worker = common.make_workers([name])[0].pk
     finished = ["Completed", "Failed", "Aborted"]
     groups = [
         (FINISHED, finished, old, 10, False),
@@ -104,62 +95,28 @@ def populate(cursor, old, young) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, DATABASE_URL)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--database-url", default=DATABASE_URL)
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/retention.py", *sys.argv[1:]])
-
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-    # Never an ambient DATABASE_URL: every repetition empties the database.
-    os.environ["DATABASE_URL"] = args.database_url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "gradient.settings")
-    import django
-
-    django.setup()
-    import psycopg
+    common.start(args)
     from django.conf import settings
-    from django.core.management import call_command
     from django.db import connection
     from django.utils import timezone
-    from psycopg import sql
 
     from clusters.retention import BATCH, run_retention
 
-    name = connection.settings_dict["NAME"]
-    with psycopg.connect(args.database_url, dbname="postgres", autocommit=True) as c:
-        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-            c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    call_command("migrate", verbosity=0)
-
-    from bench import _common as common
-
     days = settings.GRADIENT["RETENTION_DAYS"]
-    load_before = common.load()
     times = []
     for _ in range(args.repeat):
         now = timezone.now()
+        common.ensure_database()
         with connection.cursor() as cursor:
-            cursor.execute(
-                "TRUNCATE dispatched_job, cluster_attempt, cluster_member, cluster_job,"
-                " evaluation, derivation_build, worker, project CASCADE"
-            )
             populate(cursor, now - timedelta(days=days + 1), now)
         began = time.perf_counter()
         deleted = run_retention()
         times.append(time.perf_counter() - began)
         assert deleted == DELETED, deleted
         print(f"deleted {deleted} (batches of {BATCH}) in {times[-1]:.2f} s", flush=True)
-    print(f"median {statistics.median(times):.2f} s over {len(times)} runs")
-    if args.write:
-        load = f"{load_before} at the start, {common.load()} at the end"
-        common.write_section(args.write, SECTION, section(command, times, BATCH, load))
-
-
-def section(command: str, times: list[float], batch: int, load: str) -> str:
-    from bench import _common as common
-
     row = [
         f"{DELETED:,}",
         f"{ACTIVE + YOUNG:,}",
@@ -167,21 +124,8 @@ def section(command: str, times: list[float], batch: int, load: str) -> str:
         f"{statistics.median(times):.2f}",
         f"{min(times):.2f} to {max(times):.2f}",
     ]
-    lead = (
-        "The hourly retention pass, `run_retention()`, over a table of old and young finished"
-        " clusters (see `bench/retention.py`)."
-    )
-    method = [
-        f"Deleted: {FINISHED:,} finished clusters past the cutoff (nine in ten with a member;"
-        " every one with an attempt and its dispatched_job rows) and"
-        f" {YOUNG_GONE:,} young finished ones that evaluation garbage collection left without"
-        " members.",
-        f"Kept: {YOUNG:,} young finished clusters and {ACTIVE} active ones as old as the first.",
-        f"Timed: `run_retention()` alone, in batches of {batch:,}; the rows are rebuilt before"
-        " every run. A row: the median and range over the runs.",
-    ]
-    body = common.table(["clusters deleted", "kept", "runs", "median s", "range s"], [row])
-    return common.section_text(SECTION, lead, method, common.run_facts(command, load), body)
+    header = "clusters deleted | kept | runs | median s | range s"
+    common.finish(args, "retention", "## Retention pass", common.table(header, [row]))
 
 
 if __name__ == "__main__":

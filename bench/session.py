@@ -3,37 +3,11 @@
     .venv/bin/python bench/session.py [--sizes 100x500,5000x20000] [--calls N]
                                       [--write docs/benchmarks.md]
 
-The work a connected worker causes whatever its jobs (docs/design.md, "a connected session" and
-"a RequestJob"), each operation called in a loop in this process, round robin over the fleet:
-
-- touch: the liveness write (`sessions.connection.touch`);
-- slot refresh: a resend's idle slot, still in place (`record_idle(resend=True)`);
-- slot record: the full record, with its lock and count (`record_idle(resend=False)`);
-- resend: a RequestJob with nothing new to score and nothing to give, read and answered
-  (`sessions.request_job.read_and_answer`): the head read, the single path, the slot refreshed;
-- group join: the channel layer's `group_add` on Redis;
-- thread hop: an empty call through the sessions' frame threads (`sessions.threads.db`).
-
-A size WxQ: W connected build workers with an idle build slot each, allowed one project, and Q
-queued builds: half singles of another project (a deep queue no worker may take from, which
-their walks must not read), half members of 2-build clusters of the workers' project, with
-as many finished clusters' builds behind them (history, which the walks must not read either).
-Before timing, every worker's first RequestJob was offered its head's members (its job_score
-rows), as on a fleet that has run a while; so the resend's head holds nothing new.
-
-Per operation: wall ms per call (mean), and CPU ms per call of this process (its threads), of
-the PostgreSQL backends serving the database and of the Redis server (INFO's used_cpu), from
-/proc. The target: no operation's CPU per call grows by more than half from the smallest size
-to the largest.
-
-It uses its own database (default gradient_bench_session; created and migrated when missing,
-emptied before each size) and Redis database 12.
+The method is in docs/benchmarks.md, "Session costs".
 """
 
-import argparse
 import asyncio
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -45,8 +19,6 @@ from bench import _common as common
 
 REDIS_DB = 12
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_session"
-SECTION = "## Session costs"
-BENCH = "session"  # its name in bench/run, which its summary rows carry
 WARMUP_CALLS = 200
 TARGET_GROWTH = 1.5  # CPU per call at the largest size over the smallest, every operation
 OPERATIONS = ("touch", "slot refresh", "slot record", "resend", "group join", "thread hop")
@@ -57,32 +29,21 @@ def populate(workers: int, queued: int) -> list:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.models import ClusterJob, ClusterMember, ClusterStatus
+    from clusters.models import ClusterStatus
     from gradient.jobs.models import BuildStatus, DerivationBuild, Project
-    from workers.models import IdleSlot, Worker
+    from workers.models import IdleSlot
 
     now = timezone.now()
     members_of, singles_of = Project.objects.bulk_create(
         [Project(name="bench-members"), Project(name="bench-singles")]
     )
-    fleet = Worker.objects.bulk_create(
-        Worker(
-            name=f"w-{i}",
-            token_hash=f"{i:064x}",
-            all_projects=False,
-            architectures=["x86_64-linux"],
-            max_concurrent_builds=1,
-            max_concurrent_evals=0,
-            can_eval=False,
-            can_build=True,
-            channel_name=f"bench.channel!{i}",
-            connected_at=now,
-            last_seen_at=now,
-        )
-        for i in range(workers)
-    )
-    Worker.projects.through.objects.bulk_create(
-        Worker.projects.through(worker_id=w.pk, project_id=members_of.pk) for w in fleet
+    fleet = common.make_workers(
+        (f"w-{i}" for i in range(workers)),
+        members_of,
+        connected=True,
+        architectures=["x86_64-linux"],
+        max_concurrent_builds=1,
+        can_build=True,
     )
     IdleSlot.objects.bulk_create(IdleSlot(worker=w, kind="build", recorded_at=now) for w in fleet)
     DerivationBuild.objects.bulk_create(
@@ -94,33 +55,17 @@ def populate(workers: int, queued: int) -> list:
     )
     # Seen able to start by a pass: only such clusters' members are offered. Behind them, as
     # many finished clusters (history until the retention pass), which no walk may read.
-    statuses = [ClusterStatus.QUEUED, ClusterStatus.COMPLETED]
-    clusters = ClusterJob.objects.bulk_create(
-        (
-            ClusterJob(project=members_of, status=status, waiting_since=now if live else None)
-            for status in statuses
-            for live in [status == ClusterStatus.QUEUED] * (queued // 4)
-        ),
-        batch_size=5000,
-    )
-    builds = DerivationBuild.objects.bulk_create(
-        (
-            DerivationBuild(
-                project=members_of,
-                status=BuildStatus.QUEUED if c.waiting_since else BuildStatus.COMPLETED,
+    queued_ = {"project": members_of, "status": ClusterStatus.QUEUED, "waiting_since": now}
+    finished = {"project": members_of, "status": ClusterStatus.COMPLETED}
+    common.make_clusters(
+        [(queued_, [(f"m{n}", "build", {}, {}) for n in range(2)])] * (queued // 4)
+        + [
+            (
+                finished,
+                [(f"m{n}", "build", {"status": BuildStatus.COMPLETED}, {}) for n in range(2)],
             )
-            for c in clusters
-            for _ in range(2)
-        ),
-        batch_size=5000,
-    )
-    ClusterMember.objects.bulk_create(
-        (
-            ClusterMember(cluster_job=c, derivation_build=builds[2 * i + n], role=f"m{n}")
-            for i, c in enumerate(clusters)
-            for n in range(2)
-        ),
-        batch_size=5000,
+        ]
+        * (queued // 4)
     )
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
@@ -260,21 +205,14 @@ def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) 
                 **per_call,
             }
         )
-        print(table_row(rows[-1]), flush=True)
+        print(" | ".join(table_row(rows[-1])), flush=True)
     return rows
 
 
-HEADER = [
-    "operation",
-    "workers",
-    "queued",
-    "calls",
-    "wall ms/call",
-    "CPU ms/call: this process",
-    "PostgreSQL",
-    "Redis",
-    "all",
-]
+HEADER = (
+    "operation | workers | queued | calls | wall ms/call | CPU ms/call: this process"
+    " | PostgreSQL | Redis | all"
+)
 
 
 def cpu(r: dict) -> float:
@@ -323,72 +261,30 @@ def figures(rows: list[dict]) -> list[common.Figure]:
     ]
 
 
-def method(calls: int) -> list[str]:
-    return [
-        "Operations: touch, the liveness write (`sessions.connection.touch`); slot refresh, a"
-        " resend's idle slot still in place (`record_idle(resend=True)`); slot record, the full"
-        " record with its lock and count; resend, a RequestJob with nothing new to score and"
-        " nothing to give (`read_and_answer`: the head read, the single path, the slot"
-        " refreshed); group join, the channel layer's `group_add` on Redis; thread hop, an"
-        " empty call through the sessions' frame threads.",
-        "A size: W connected build workers, an idle build slot each, allowed one project; Q"
-        " queued builds, half singles of another project (a deep queue no worker may take"
-        " from, which their walks must not read), half members of 2-build clusters of the"
-        " workers' project, with as many finished clusters' builds behind them (history, which"
-        " the walks must not read either). Every worker's first RequestJob was offered its"
-        " head's members first (the job_score rows below), so a resend's head holds nothing"
-        " new.",
-        f"Calls: {WARMUP_CALLS} untimed, then {calls:,} timed, round robin over the fleet, in"
-        " this one process (its own connection; the hop's threads have theirs).",
-        "A row: wall ms per call (mean); CPU ms per call of this process, of the database's"
-        " PostgreSQL backends and of the Redis server (INFO's used_cpu), from /proc.",
-        f"Target: no operation's CPU per call grows by more than {TARGET_GROWTH:g}x from the"
-        " smallest size to the largest, the fleet 50 times and the queue 40 times larger.",
-    ]
-
-
-def section(command: str, rows: list[dict], calls: int, load: str) -> str:
-    body = common.table(HEADER, [table_row(r) for r in rows], align="---:")
-    job_scores = ", ".join(
-        f"{r['job_score']:,} at {r['workers']:,} workers" for r in rows if r["operation"] == "touch"
-    )
-    facts = [*common.run_facts(command, load), f"job_score rows: {job_scores}."]
-    lead = (
-        "What each connected worker costs the server per call, whatever its jobs, at two sizes"
-        " of fleet and queue far apart (see `bench/session.py`)."
-    )
-    return common.section_text(SECTION, lead, method(calls), facts, body)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__, DATABASE_URL, REDIS_DB)
     parser.add_argument("--sizes", default="100x500,5000x20000", help="WORKERSxQUEUED,...")
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per operation")
-    parser.add_argument("--database", default=DATABASE_URL)
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/session.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
+    common.start(args)
     import redis
     from django.conf import settings
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.flushdb()
-    print(command, flush=True)
-    before = common.load()
     rows = []
     for workers, queued in common.parse_grid(args.sizes):
         rows += bench_size(workers, queued, args.calls, client, args.database)
-    load = f"{before} at the start, {common.load()} at the end"
+    job_scores = ", ".join(
+        f"{r['job_score']:,} at {r['workers']:,} workers" for r in rows if r["operation"] == "touch"
+    )
     common.finish(
-        HEADER,
-        [table_row(r) for r in rows],
-        args.write,
-        SECTION,
-        lambda: section(command, rows, args.calls, load),
-        crashed=False,
-        bench=BENCH,
-        figures=figures(rows),
+        args,
+        "session",
+        "## Session costs",
+        common.table(HEADER, [table_row(r) for r in rows]),
+        [f"job_score rows: {job_scores}."],
+        figures(rows),
     )
 
 

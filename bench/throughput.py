@@ -4,40 +4,14 @@ clusters mixed, with the queue kept full; how many starts per second, at 100 to 
     .venv/bin/python bench/throughput.py [--fleets 100,200,500,1000] [--runs 3] [--warmup S]
                                          [--window S] [--write docs/benchmarks.md]
 
-Each size runs --runs times, the sizes in turn and then again; the targets take each size's
-median (one run moves by about a sixth from the next). For each run, in a process of its own
-(this script run again for that size): a fresh
-bench database and Redis database 11, daphne (gradient.serve), a Celery worker (-c 2) and beat
-as subprocesses (like the gang-start bench), and the fleet (SimulatedWorker over real
-WebSockets) in that process. A share of the workers (--single-share)
-may take jobs of the singles project only, the rest those of the clusters project only: on one
-project, a queue kept full of single jobs would leave no idle slot for a cluster to be placed on
-(a member is seated only on a worker that asked for a job and got none). A feeder thread keeps
-both queues full, ahead of demand, through the project's own submission functions (create_jobs,
-submit_cluster): evaluations and builds, and clusters of 2 to 4 members.
-
-Counted in the workers' process: a member start is a StartCluster received for a held member,
-a single start an AssignJob of a single job (the worker runs it at once), a scored pair a score
-entry of a JobScores the worker sent. Rates are over the steady window that follows the
-warm-up. Failures: the workers' JobFailed and refusals, the assignments that ended Failed or
-Abandoned and the attempts that ended PrepareFailed (from the database), Error frames the
-workers got, and consumers or tasks that crashed (daphne's and Celery's logs). A member's
-hops, for those whose AssignJob came in the window: its claim (dispatched_job.dispatched_at)
-to its AssignJob's arrival, that to the acceptance sent, and that to its record (accepted_at),
-with the wall clock of this machine, which the database shares; and how late the fleet's loop
-wakes, since that delays each hop's frame.
-
-It uses its own database (--database, default gradient_throughput; created and migrated when
-missing, emptied before each fleet size) and Redis database 11.
+Each size runs in a process of its own (this script again, for that size). The method is in
+docs/benchmarks.md, "Sustained throughput".
 """
 
 import argparse
-import ast
 import asyncio
 import json
 import random
-import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -53,8 +27,6 @@ from bench import _common as common
 
 REDIS_DB = 11
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_throughput"
-SECTION = "## Sustained throughput"
-BENCH = "throughput"  # its name in bench/run, which its summary rows carry
 # Issue #18's targets: pairs scored per start at every size; member starts per second at 500
 # workers (200 remains the aim), and at 1,000 against those at 100.
 TARGET_PAIRS_PER_START = 40.0
@@ -86,7 +58,7 @@ class Tally:
         return sum(since <= t < until for t in self.starts[kind])
 
     def median_p90(self, what: str, since: float, until: float) -> tuple[float, float] | None:
-        return spread([v for t, v in self.waits[what] if since <= t < until])
+        return common.median_p((v for t, v in self.waits[what] if since <= t < until), 90)
 
 
 def counting_worker_class(tally: Tally):
@@ -156,14 +128,6 @@ def counting_worker_class(tally: Tally):
     return CountingWorker
 
 
-def spread(secs: list[float]) -> tuple[float, float] | None:
-    """(median, p90) of these seconds, None for none."""
-    secs = sorted(secs)
-    if not secs:
-        return None
-    return statistics.median(secs), secs[min(len(secs) - 1, int(len(secs) * 0.9))]
-
-
 async def watch_lag(tally: Tally, tick: float = 0.1) -> None:
     """How late the fleet's loop wakes from a sleep of `tick`: what delays every frame it
     reads or writes."""
@@ -192,30 +156,19 @@ def member_hops(hops: dict, since: float, until: float) -> dict:
         parts["assign_to_answer"].append(answered - received)
         if accepted is not None:
             parts["answer_to_record"].append(accepted.timestamp() - answered)
-    return {name: spread(secs) for name, secs in parts.items()}
+    return {name: common.median_p(secs, 90) for name, secs in parts.items()}
 
 
-def make_workers(count: int, single_share: float) -> list[tuple[str, str, str]]:
-    """(name, token, project) for each worker: a project of its own kind of work."""
+def make_workers(count: int, single_share: float) -> list[tuple[str, str]]:
+    """(name, project) for each worker: a project of its own kind of work."""
     from gradient.jobs.models import Project
-    from workers.models import Worker, hash_token
 
     singles = Project.objects.create(name=SINGLES)
     clusters = Project.objects.create(name=CLUSTERS)
     n_single = max(1, round(count * single_share))
-    rows = []
-    for i in range(count):
-        project = SINGLES if i < n_single else CLUSTERS
-        rows.append((f"tp-{i:04d}", f"tp-token-{i}", project))
-    made = Worker.objects.bulk_create(
-        Worker(name=n, token_hash=hash_token(t), all_projects=False) for n, t, _ in rows
-    )
-    through = Worker.projects.through
-    through.objects.bulk_create(
-        through(worker_id=w.pk, project_id=(singles if p == SINGLES else clusters).pk)
-        for w, (_, _, p) in zip(made, rows, strict=True)
-    )
-    return rows
+    names = [f"tp-{i:04d}" for i in range(count)]
+    common.make_workers(names, lambda i: singles if i < n_single else clusters)
+    return [(n, SINGLES if i < n_single else CLUSTERS) for i, n in enumerate(names)]
 
 
 class Feeder(common.Feeder):
@@ -226,7 +179,6 @@ class Feeder(common.Feeder):
         super().__init__(tick=0.25)
         self.single_target, self.cluster_target = single_target, cluster_target
         self.rng = random.Random(seed)
-        self.submitted = Counter()
         self.low = {"singles": None, "clusters": None}  # smallest queue seen while measuring
 
     def queued(self) -> tuple[int, int]:
@@ -258,7 +210,6 @@ class Feeder(common.Feeder):
             specs = [JobSpec(kind=self.rng.choice(("eval", "build"))) for _ in range(missing)]
             with transaction.atomic(durable=True):
                 create_jobs(Project.objects.get(name=SINGLES), specs)
-            self.submitted["singles"] += missing
         for _ in range(self.cluster_target - clusters):
             k = self.rng.randint(2, 4)
             members = [
@@ -266,41 +217,16 @@ class Feeder(common.Feeder):
                 for _ in range(k)
             ]
             submit_cluster(CLUSTERS, members)
-            self.submitted["clusters"] += 1
-            self.submitted["members"] += k
-
-
-def closing(fn):
-    """fn, then the calling thread's database connection closed: for asyncio.to_thread."""
-
-    def run():
-        from django.db import connection
-
-        try:
-            return fn()
-        finally:
-            connection.close()
-
-    return run
 
 
 def outcomes() -> dict:
     from django.db import connection
-    from django.db.models import Count
 
     from clusters.models import ClusterAttempt
     from gradient.jobs.models import DispatchedJob
 
-    jobs = dict(
-        DispatchedJob.objects.exclude(outcome__isnull=True)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
-    attempts = dict(
-        ClusterAttempt.objects.exclude(outcome__isnull=True)
-        .values_list("outcome")
-        .annotate(n=Count("id"))
-    )
+    jobs = common.count_by(DispatchedJob.objects.exclude(outcome__isnull=True), "outcome")
+    attempts = common.count_by(ClusterAttempt.objects.exclude(outcome__isnull=True), "outcome")
     connection.close()
     return {"jobs": jobs, "attempts": attempts}
 
@@ -312,8 +238,8 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     tally = Tally()
     worker_class = counting_worker_class(tally)
     config = WorkerConfig(job_secs=(args.job_min, args.job_max), max_events=10)
-    workers = [worker_class(n, t, config, url) for n, t, _ in rows]
-    for worker, (_, _, project) in zip(workers, rows, strict=True):
+    workers = [worker_class(n, common.token(n), config, url) for n, _ in rows]
+    for worker, (_, project) in zip(workers, rows, strict=True):
         worker.singles_only = project == SINGLES
 
     async def launch(i, w):
@@ -334,28 +260,24 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
             if time.monotonic() - began > args.connect_timeout:
                 break
             await asyncio.sleep(0.1)
-        connected_after = time.monotonic() - began
-        # Statistics, as autovacuum keeps them on a database in use: this one was emptied
-        # moments ago, and with row estimates of 1 PostgreSQL plans the candidates' anti-join
-        # on dispatched_job as a scan of every open row per job (50 ms instead of 1).
-        await asyncio.to_thread(closing(common.analyze))
-        await asyncio.sleep(args.warmup / 2)
-        await asyncio.to_thread(closing(common.analyze))
-        await asyncio.sleep(args.warmup / 2)
+        # Statistics, as autovacuum keeps them: the database was emptied moments ago.
+        await asyncio.to_thread(common.closing(lambda: common.warm_up(args.warmup)))
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
-        await asyncio.to_thread(closing(meter.start))
+        await asyncio.to_thread(common.closing(meter.start))
         since, since_wall = time.monotonic(), time.time()
         before = dict(tally.events)
         await asyncio.sleep(args.window)
         until, until_wall = time.monotonic(), time.time()
-        cpu = await asyncio.to_thread(closing(meter.stop))
+        cpu = await asyncio.to_thread(common.closing(meter.stop))
         feeder.measuring = False
         # Before the fleet stops: its disconnects abandon whatever the workers hold.
         ended = await asyncio.to_thread(outcomes)
         # A copy taken on the loop: the fleet goes on adding hops while the thread reads them.
         taken = dict(tally.hops)
-        hops = await asyncio.to_thread(closing(lambda: member_hops(taken, since_wall, until_wall)))
+        hops = await asyncio.to_thread(
+            common.closing(lambda: member_hops(taken, since_wall, until_wall))
+        )
         during = {k: tally.events[k] - before.get(k, 0) for k in tally.events}
     finally:
         lag.cancel()
@@ -374,7 +296,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     errors = Counter(e.get("code") for w in workers for e in w.errors)
     return {
         "workers": len(workers),
-        "connected_after": connected_after,
         "connected": connected,
         "window": secs,
         "member_rate": members / secs,
@@ -388,10 +309,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "idle": tally.median_p90("idle", since, until),
         "held": tally.median_p90("held", since, until),
         "hops": hops,
-        "lag": spread([v for t, v in tally.lag if since <= t < until]),
-        "failed": during.get("failed", 0),
-        "rejected": during.get("rejected", 0),
-        "released": during.get("released_hold", 0),
+        "lag": common.median_p((v for t, v in tally.lag if since <= t < until), 90),
         "errors": dict(errors),
         "low": dict(feeder.low),
         "cpu": cpu,
@@ -402,45 +320,27 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
 def run_one(count: int, args) -> dict:
     common.ensure_database()
     rows = make_workers(count, args.single_share)
-    n_single = sum(p == SINGLES for _, _, p in rows)
+    n_single = sum(p == SINGLES for _, p in rows)
     n_cluster = count - n_single
     # Ahead of demand: twice the single slots in queued single jobs, and enough queued clusters
     # (3 members on average) to seat every cluster slot once more.
     feeder = Feeder(single_target=4 * n_single + 20, cluster_target=(2 * n_cluster) // 3 + 10)
-    env = common.process_env()
-    common.flush_redis(env["REDIS_URL"])
-    logs = Path(tempfile.mkdtemp(prefix=f"bench-throughput-{count}-"))
-    procs = common.Processes(env, logs)
     common.settle(args.settle_load)
     load_before = common.load()
-    try:
-        port = common.free_port()
-        procs.daphne(port)
-        procs.celery()
-        url = f"ws://127.0.0.1:{port}/proto"
-        groups = {
-            "daphne": procs.pids("daphne"),
-            "celery": procs.pids("celery-worker", "celery-beat"),
-        }
+    with common.stack(f"throughput-{count}") as procs:
         # This process alone is the fleet, with the feeder thread.
-        meter = common.CpuMeter(groups, this_process="fleet")
-        result = asyncio.run(drive(url, rows, args, feeder, meter))
-        # Read before the stop: a pool process killed mid-task at shutdown logs a traceback.
-        crashed, result["tracebacks"] = common.log_problems(procs)
+        meter = common.CpuMeter(procs.groups(), this_process="fleet")
+        result = asyncio.run(drive(procs.url, rows, args, feeder, meter))
+        crashed, result["tracebacks"] = procs.problems()
         result["passes"] = dispatch_passes(procs.log_text("celery-worker"))
-    finally:
-        procs.stop()
-        common.flush_redis(env["REDIS_URL"])
     result["load"] = f"{load_before} / {common.load()}"
     result["crashes"] = crashed
     result["single_workers"], result["cluster_workers"] = n_single, n_cluster
-    result["submitted"] = dict(feeder.submitted)
-    result["logs"] = str(logs)
     print(
         f"{count} workers: {result['member_rate']:.1f} member starts/s,"
         f" {result['single_rate']:.1f} single starts/s over {result['window']:.1f} s"
         f" (load {result['load']}); CPU s in the window: {cpu_text(result['cpu'])};"
-        f" {len(crashed)} crash line(s), logs in {logs}",
+        f" {len(crashed)} crash line(s)",
         flush=True,
     )
     for line in crashed[:5]:
@@ -462,23 +362,13 @@ def cpu_text(cpu: dict) -> str:
     return ", ".join(f"{name} {secs:.1f}" for name, secs in cpu.items())
 
 
-HEADER = [
-    "workers (singles + clusters)",
-    "member starts/s",
-    "single starts/s",
-    "total starts/s",
-    "pairs offered/s",
-    "pairs scored per start",
-    "pairs per single start, per member start",
-    "CPU ms per start",
-    "slot idle s (median / p90)",
-    "slot held s (median / p90)",
-    "jobs failed",
-    "prepares failed",
-    "smallest queue: singles, clusters",
-    "cores used: daphne, Celery, PostgreSQL, fleet",
-    "load average (start / end)",
-]
+HEADER = (
+    "workers (singles + clusters) | member starts/s | single starts/s | total starts/s"
+    " | pairs offered/s | pairs scored per start | pairs per single start, per member start"
+    " | CPU ms per start | slot idle s (median / p90) | slot held s (median / p90)"
+    " | jobs failed | prepares failed | smallest queue: singles, clusters"
+    " | cores used: daphne, Celery, PostgreSQL, fleet | load average (start / end)"
+)
 
 
 def pairs_per_start(r: dict) -> float:
@@ -564,69 +454,10 @@ def rows(results: list[dict]) -> list[list]:
     return out
 
 
-LEAD = (
-    "Member and single starts per second on the real stack with both queues kept full, at fleet"
-    " sizes of 100 to 1,000 workers (see `bench/throughput.py`)."
-)
-
-
-def method(args) -> list[str]:
-    return [
-        "Stack: daphne (`gradient.serve`, one per core), one Celery worker (`-c 2`) and beat as"
-        f" subprocesses on a database and Redis database {REDIS_DB} of the bench's own, all"
-        " started afresh for each fleet size, each size in a process of its own (run after"
-        " the smaller ones in one process, 1,000 workers started a quarter fewer members).",
-        "Fleet: reference workers (`SimulatedWorker`, real WebSockets) in the script's process,"
-        f" one eval and one build slot each, jobs of {args.job_min:g} to {args.job_max:g} s,"
-        f" connected over {args.ramp:g} s. {args.single_share:.0%} take single jobs of one"
-        " project, the rest cluster members of another: with one project, a queue kept full of"
-        " singles would leave no idle slot for a cluster to be placed on.",
-        "Queue: a feeder thread tops both queues up every 0.25 s through `create_jobs` and"
-        " `submit_cluster` (evaluations and builds; clusters of 2 to 4 members); the smallest"
-        " queue it saw in the window is in its column.",
-        f"Window: {args.window:g} s after {args.warmup:g} s of warm-up, with an `ANALYZE` at the"
-        " warm-up's start and middle (the database was emptied moments before). Each size starts"
-        f" after a `CHECKPOINT`, once the load average is below {args.settle_load:g} (5 minutes"
-        " at most; the load at its start is in the table).",
-        "A row: one fleet size (and how many were connected at the window's start, if not all)."
-        " A member start is a StartCluster received for a held member, a single start an"
-        " AssignJob of a single job. Pairs: (worker, job) pairs offered to the workers per"
-        " second, and the score entries of their JobScores in the window over the starts in it;"
-        " split, the singles' workers' entries over single starts and the cluster workers' over"
-        " member starts. CPU per start: the whole stack's.",
-        "Slot columns: a member's slot idle from its RequestJob to a member's AssignJob, then"
-        " held until every member of its attempt accepted and StartCluster came.",
-        "Failures: jobs failed are assignments that ended Failed, prepares failed attempts that"
-        " ended PrepareFailed, from the start to the end of the window.",
-        "Cores used: CPU seconds per second of the window from `/proc`: daphne; the Celery"
-        " worker, its pool and beat; the PostgreSQL backends of the bench database; this"
-        " process (the fleet and the feeder).",
-        "Where the time goes: everything shares the 2 cores, full at every size. Where the slot"
-        " waits are seconds, the slots sit idle or held while the cores are busy, so the starts"
-        " grow with the cores, not with the slots.",
-        "The asking's cadence: a pass asks at most a window of never-asked members per kind and"
-        " places a cluster only once asked, so a deep cluster queue starts about that many"
-        " members per kind per pass. The passes that saw a ready cluster, from Celery's log of"
-        " the whole run, are in the second table.",
-        f"Targets (issue #18): at most {TARGET_PAIRS_PER_START:.0f} pairs scored per start at"
-        f" every size; at least {TARGET_MEMBER_STARTS[500]:.0f} member starts/s at 500 workers"
-        f" ({AIM_MEMBER_STARTS:.0f} the aim); at {TARGET_KEPT[0]:,} workers at least"
-        f" {TARGET_KEPT[2]:g} x those at {TARGET_KEPT[1]}.",
-        f"Runs: {args.runs} of each size, the sizes in turn and then again, so that the host's"
-        " drift reaches every size alike; a row per run. The targets are judged on each size's"
-        " median, since one run moves by about a sixth from the next on the same host.",
-    ]
-
-
-# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
-PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in [0-9.]+s: (\{.*\})")
-
-
 def dispatch_passes(log: str) -> dict:
     """The passes that saw a ready cluster: how many, their median seconds, how many placed
     nothing, and the median of clusters ready."""
-    seen = [ast.literal_eval(m.group(1)) for m in PASS_LINE.finditer(log)]
-    seen = [r for r in seen if r["ready"]]
+    seen = [r for r in common.passes(log) if r["ready"]]
     if not seen:
         return {"count": 0}
     return {
@@ -642,23 +473,12 @@ def run_label(r: dict) -> str:
     return label + (f" (run {r['run']})" if "run" in r else "")
 
 
-PER_RUN_HEADER = [
-    "run",
-    "passes that saw a ready cluster",
-    "pass s (median)",
-    "placing nothing",
-    "clusters ready (median)",
-    "claim to assign s",
-    "assign to answer s",
-    "answer to record s",
-    "fleet's loop late s",
-]
-HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
-PER_RUN_LEAD = (
-    "Per run: the dispatch passes that saw a ready cluster (Celery's log of the whole run), and"
-    " where the window's members waited between their claim and their acceptance's record"
-    " (median / p90; wall clock, the database's and the fleet's)."
+PER_RUN_HEADER = (
+    "run | passes that saw a ready cluster | pass s (median) | placing nothing"
+    " | clusters ready (median) | claim to assign s | assign to answer s | answer to record s"
+    " | fleet's loop late s"
 )
+HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
 
 
 def per_run_rows(results: list[dict]) -> list[list]:
@@ -676,32 +496,17 @@ def per_run_rows(results: list[dict]) -> list[list]:
 
 
 def observed(results: list[dict]) -> list[str]:
-    crashes = sum(len(r["crashes"]) for r in results)
-    tracebacks = sum(r["tracebacks"] for r in results)
     abandoned = sum(r["outcomes"]["jobs"].get("Abandoned", 0) for r in results)
     errors = Counter()
     for r in results:
         errors.update(r["errors"])
     error_text = ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "none"
+    crashes = sum(len(r["crashes"]) for r in results)
     return [
         f"Assignments abandoned, all sizes: {abandoned}. Error frames the workers got:"
         f" {error_text}.",
-        "Consumers or tasks that crashed (`Exception inside application` in daphne's log,"
-        f" `raised unexpected` in Celery's): {crashes}; tracebacks of any kind there:"
-        f" {tracebacks}.",
+        common.crash_fact(crashes, sum(r["tracebacks"] for r in results)),
     ]
-
-
-def section(command: str, results: list[dict], args) -> str:
-    facts = [*observed(results), *common.run_facts(command, "in the table")]
-    body = "\n\n".join(
-        [
-            common.table(HEADER, rows(results)),
-            common.paragraph(PER_RUN_LEAD),
-            common.table(PER_RUN_HEADER, per_run_rows(results)),
-        ]
-    )
-    return common.section_text(SECTION, LEAD, method(args), facts, body)
 
 
 def run_alone(count: int) -> dict:
@@ -718,39 +523,28 @@ def run_alone(count: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", default=DATABASE_URL)
-    # A run takes about a minute (62 s at 100 workers: set-up, ramp, warm-up, window) plus
-    # its connect time and the wait for a calm host, so four sizes take 5 minutes or so a
-    # round; 300 and 400 made room for 1,000.
+    parser = common.parser(
+        __doc__,
+        DATABASE_URL,
+        REDIS_DB,
+        warmup=15.0,
+        window=30.0,
+        connect_timeout=180.0,
+        settle_load=1.5,
+        runs=3,
+    )
+    # A run takes about a minute plus its connect time and the wait for a calm host.
     parser.add_argument("--fleets", default="100,200,500,1000")
-    parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the window")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
     parser.add_argument("--ramp", type=float, default=5.0, help="seconds to connect the fleet")
     parser.add_argument("--single-share", type=float, default=0.2)
-    parser.add_argument(
-        "--connect-timeout", type=float, default=180.0, help="seconds to wait for the fleet"
-    )
     parser.add_argument("--job-min", type=float, default=0.5)
     parser.add_argument("--job-max", type=float, default=1.5)
-    parser.add_argument(
-        "--settle-load",
-        type=float,
-        default=1.5,
-        help="wait (5 minutes at most) for a load average below this before each size; 0: not",
-    )
-    parser.add_argument(
-        "--runs", type=int, default=3, help="runs of each size; the targets take the median"
-    )
-    parser.add_argument("--write", type=Path, help="update the section in this markdown file")
     parser.add_argument("--result-to", type=Path, help=argparse.SUPPRESS)  # one size's, as JSON
     args = parser.parse_args()
-    fleets = [int(n) for n in args.fleets.split(",")]
+    fleets = common.parse_ints(args.fleets)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    command = shlex.join([".venv/bin/python", "bench/throughput.py", *sys.argv[1:]])
-    common.setup(args.database, REDIS_DB)
-    print(command, flush=True)
+    common.start(args)
     if args.result_to is not None or (len(fleets) == 1 and args.runs == 1):
         common.raise_open_files(fleets[0])
         results = [run_one(fleets[0], args)]
@@ -765,15 +559,19 @@ def main() -> None:
                 if args.runs > 1:
                     result["run"] = run
                 results.append(result)
+    tables = [
+        common.table(HEADER, rows(results)),
+        common.table(PER_RUN_HEADER, per_run_rows(results)),
+    ]
     common.finish(
-        HEADER,
-        rows(results),
-        args.write,
-        SECTION,
-        lambda: section(command, results, args),
+        args,
+        "throughput",
+        "## Sustained throughput",
+        "\n\n".join(tables),
+        observed(results),
+        figures(results),
+        load="in the table",
         crashed=any(r["crashes"] for r in results),
-        bench=BENCH,
-        figures=figures(results),
     )
 
 

@@ -1,22 +1,35 @@
-"""docs/benchmarks.md as the benchmark scripts write it: each section replaced alone, and the
-summary table at the top, where each benchmark's run rewrites its own rows and no other's."""
+"""docs/benchmarks.md as the benchmark scripts write it: each benchmark's figures block replaced
+alone, the prose around it kept, and the summary table at the top, where each benchmark's run
+rewrites its own rows and no other's. And the one percentile every benchmark takes."""
 
-from bench._common import (
-    FAULT_ROW,
-    SUMMARY,
-    Figure,
-    anchor,
-    merge_rows,
-    summary_rows,
-    write_section,
-)
+import statistics
+
+import pytest
+
+from bench._common import MARK, SUMMARY, Figure, percentile, summary_row, write
 
 CLAIM = "## Claim latency"
 STORM = "## Connection storm"
+DOC = f"""# Benchmarks
 
+Intro.
 
-def section(title: str, body: str) -> str:
-    return f"{title}\n\n{body}\n"
+## Summary
+
+{SUMMARY}
+| figure | target | result | met | command |
+|:---|:---|:---|:---|:---|
+| fault suite | 0 | 0 | yes | `bin/test tests/faults` |
+<!-- /figures -->
+
+{CLAIM}
+
+{MARK.format("claim")}
+| old claim |
+<!-- /figures -->
+
+How the claim is measured, by hand.
+"""
 
 
 def claim_figure(result: str, met: bool) -> Figure:
@@ -30,99 +43,88 @@ def storm_figures(seconds: str) -> list[Figure]:
     ]
 
 
-def commands(doc) -> list[str]:
-    return [row[-1] for row in summary_rows(doc.read_text())]
+def summary(doc) -> list[list[str]]:
+    text = doc.read_text()
+    table = text[text.index(SUMMARY) : text.index("<!-- /figures -->")].splitlines()[3:]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in table]
 
 
-def headings(doc) -> list[str]:
-    return [line for line in doc.read_text().splitlines() if line.startswith("## ")]
+@pytest.fixture
+def doc(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text(DOC)
+    return path
 
 
-def test_a_new_file_opens_with_the_summary_holding_the_fault_suite_and_the_first_rows(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    write_section(doc, CLAIM, section(CLAIM, "claim text"), "claim", [claim_figure("0.8x", True)])
+def test_a_run_replaces_its_figures_block_and_keeps_the_prose_around_it(doc):
+    write(doc, "claim", CLAIM, "| new claim |", [claim_figure("0.8x", True)])
 
-    assert headings(doc) == [SUMMARY, CLAIM]
-    rows = summary_rows(doc.read_text())
-    assert rows[0] == FAULT_ROW
-    assert rows[1] == [
-        f"[claim / floor, 8 members]({anchor(CLAIM)})",
-        "≤ 2x",
-        "0.8x",
-        "yes",
-        "`bench/run claim`",
-    ]
+    text = doc.read_text()
+    assert "| new claim |" in text and "| old claim |" not in text
+    assert text.startswith("# Benchmarks\n\nIntro.\n")
+    assert text.endswith("How the claim is measured, by hand.\n")
 
 
-def test_replacing_one_benchmarks_rows_keeps_the_others_in_their_places(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    write_section(doc, CLAIM, section(CLAIM, "claim 1"), "claim", [claim_figure("0.8x", True)])
-    write_section(doc, STORM, section(STORM, "storm 1"), "storm", storm_figures("3.7"))
-    storm_rows = summary_rows(doc.read_text())[2:]
+def test_replacing_one_benchmarks_rows_keeps_the_others_in_their_places(doc):
+    write(doc, "claim", CLAIM, "claim 1", [claim_figure("0.8x", True)])
+    write(doc, "storm", STORM, "storm 1", storm_figures("3.7"))
+    storm_rows = summary(doc)[2:]
 
-    write_section(doc, CLAIM, section(CLAIM, "claim 2"), "claim", [claim_figure("2.5x", False)])
+    write(doc, "claim", CLAIM, "claim 2", [claim_figure("2.5x", False)])
 
-    rows = summary_rows(doc.read_text())
-    assert commands(doc) == ["`bin/test tests/faults`", "`bench/run claim`"] + 2 * [
+    rows = summary(doc)
+    assert [row[-1] for row in rows] == ["`bin/test tests/faults`", "`bench/run claim`"] + 2 * [
         "`bench/run storm`"
     ]
     assert rows[1][2:4] == ["2.5x", "**no**"]
     assert rows[2:] == storm_rows
+    assert "storm 1" in doc.read_text()
+
+
+def test_a_benchmark_writing_fewer_rows_than_before_leaves_none_of_its_old_ones(doc):
+    write(doc, "storm", STORM, "storm", storm_figures("3.7"))
+
+    write(doc, "storm", STORM, "storm", storm_figures("6.1")[1:])
+
+    assert [row[2] for row in summary(doc)] == ["0", "6.1"]
+
+
+def test_a_new_benchmark_gets_a_section_at_the_end_and_its_rows_last(doc):
+    write(doc, "storm", STORM, "storm figures", storm_figures("3.7"))
+
     text = doc.read_text()
-    assert "claim 2" in text and "claim 1" not in text and "storm 1" in text
+    assert text.index(CLAIM) < text.index(STORM) < text.index("storm figures")
+    assert summary(doc)[-1] == summary_row("storm", STORM, storm_figures("3.7")[1])
 
 
-def test_a_benchmark_writing_fewer_rows_than_before_leaves_none_of_its_old_ones(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    write_section(doc, STORM, section(STORM, "storm"), "storm", storm_figures("3.7"))
-    write_section(doc, CLAIM, section(CLAIM, "claim"), "claim", [claim_figure("0.8x", True)])
+def test_a_benchmark_without_targets_leaves_the_summary_as_it_was(doc):
+    before = summary(doc)
 
-    write_section(doc, STORM, section(STORM, "storm"), "storm", storm_figures("6.1")[1:])
+    write(doc, "retention", "## Retention pass", "retention", [])
 
-    rows = summary_rows(doc.read_text())
-    assert [row[2] for row in rows] == [FAULT_ROW[2], "6.1", "0.8x"]
+    assert summary(doc) == before
 
 
-def test_a_new_section_is_appended_and_its_rows_after_the_others_with_the_table_on_top(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    write_section(doc, CLAIM, section(CLAIM, "claim"), "claim", [claim_figure("0.8x", True)])
+def test_a_missing_file_is_made_with_an_empty_summary_and_the_section(tmp_path):
+    path = tmp_path / "benchmarks.md"
 
-    write_section(doc, STORM, section(STORM, "storm"), "storm", storm_figures("3.7"))
+    write(path, "claim", CLAIM, "claim", [claim_figure("0.8x", True)])
 
-    assert headings(doc) == [SUMMARY, CLAIM, STORM]
-    assert commands(doc)[-2:] == ["`bench/run storm`", "`bench/run storm`"]
-    assert doc.read_text().index(SUMMARY) < doc.read_text().index(CLAIM)
+    assert summary(path) == [summary_row("claim", CLAIM, claim_figure("0.8x", True))]
 
 
-def test_a_file_without_a_summary_gets_it_before_its_first_section(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\nIntro.\n\n## Retention pass\n\nretention\n")
-
-    write_section(doc, STORM, section(STORM, "storm"), "storm", storm_figures("3.7"))
-
-    assert headings(doc) == [SUMMARY, "## Retention pass", STORM]
-    assert doc.read_text().startswith("# Benchmarks\n\nIntro.\n\n## Summary\n")
+def test_a_rows_link_is_its_sections_anchor():
+    row = summary_row("gang-start", "## Gang-start latency", claim_figure("1x", True))
+    assert row[0] == "[claim / floor, 8 members](#gang-start-latency)"
+    row = summary_row("x", "## Dispatch pass (1,000 x 5,000)", claim_figure("1x", True))
+    assert row[0].endswith("(#dispatch-pass-1000-x-5000)")
 
 
-def test_a_section_without_targets_leaves_the_summary_as_it_was(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    write_section(doc, CLAIM, section(CLAIM, "claim"), "claim", [claim_figure("0.8x", True)])
-    before = summary_rows(doc.read_text())
-
-    write_section(doc, "## Retention pass", section("## Retention pass", "retention"))
-
-    assert summary_rows(doc.read_text()) == before
-    assert headings(doc) == [SUMMARY, CLAIM, "## Retention pass"]
-
-
-def test_rows_not_measured_yet_are_replaced_by_the_first_run_where_they_stood():
-    command = "`bench/run queue-depth`"
-    waiting = [["deep queue: builds/s", "≥ 150", "not measured", "not measured", command]]
-    new = [["[deep queue: builds/s](#deep-queue)", "≥ 150", "151.0", "yes", command]]
-
-    assert merge_rows([*waiting, FAULT_ROW], "queue-depth", new) == [*new, FAULT_ROW]
-
-
-def test_the_anchor_is_the_headings_link_target():
-    assert anchor("## Gang-start latency") == "#gang-start-latency"
-    assert anchor("## Dispatch pass (1,000 x 5,000)") == "#dispatch-pass-1000-x-5000"
+@pytest.mark.parametrize("p", [5, 50, 90, 95, 99])
+def test_the_percentile_is_linear_between_the_closest_ranks(p):
+    xs = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0]
+    assert percentile(xs, p) == pytest.approx(
+        statistics.quantiles(xs, n=100, method="inclusive")[p - 1]
+    )
+    assert percentile(xs, 50) == statistics.median(xs)
+    assert percentile([7.0], p) == 7.0
