@@ -27,17 +27,16 @@ A scrape reads no more than the clusters not yet tallied. A finished cluster wit
 attempt never changes again: a fold (at each scrape, a batch at most) adds its status and its
 attempts' figures to a tally (cluster_metric_tally) and marks it tallied, in one transaction, so
 every cluster is counted once, by the tally or by its rows, whichever process folds it. The
-scrape then reads the tally and the untallied clusters' rows in one snapshot. The retention pass
-deletes old clusters with their attempts; in the same transaction it tallies those not yet
-tallied and takes the deleted ones off the clusters gauge, so a counter or histogram over the
-rows never goes down.
+scrape then reads the tally and the untallied clusters' rows in one statement, so in one
+snapshot. The retention pass deletes old clusters with their attempts; in the same transaction
+it tallies those not yet tallied and takes the deleted ones off the clusters gauge, so a
+counter or histogram over the rows never goes down.
 """
 
 import hmac
 import logging
 import time
 from collections import Counter
-from contextlib import contextmanager
 
 import redis
 from django.conf import settings
@@ -137,20 +136,22 @@ def _cumulative(counts: dict[str, int], buckets) -> list[tuple[str, int]]:
     return out
 
 
-def _histograms(durations_sql: str, buckets, params=()) -> dict[str, tuple[list, float]]:
-    """Count `durations_sql` (rows of label, seconds) into buckets in one aggregate:
-    {label: (cumulative buckets, sum)}."""
-    filters = ", ".join("count(*) FILTER (WHERE s <= %s)" for _ in buckets)
-    sql = (
-        f"SELECT label, count(*), coalesce(sum(s), 0), {filters} "
+def _histogram_sql(durations_sql: str, buckets) -> str:
+    """Count `durations_sql` (rows of label, seconds) into buckets in one aggregate: per label,
+    the count, the sum and the count at or under each bucket."""
+    filters = ", ".join(f"count(*) FILTER (WHERE s <= {b})" for b in buckets)
+    return (
+        f"SELECT label, count(*) AS n, coalesce(sum(s), 0) AS total, ARRAY[{filters}] AS le "
         f"FROM ({durations_sql}) AS d GROUP BY label"
     )
+
+
+def _histograms(rows, buckets) -> dict[str, tuple[list, float]]:
+    """`_histogram_sql`'s rows as {label: (cumulative buckets, sum)}."""
     out = {}
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*buckets, *params])  # in the order they appear
-        for label, count, total, *le in cursor.fetchall():
-            pairs = [(floatToGoString(b), n) for b, n in zip(buckets, le, strict=True)]
-            out[label] = ([*pairs, ("+Inf", count)], float(total))
+    for label, count, total, le in rows:
+        pairs = [(floatToGoString(b), n) for b, n in zip(buckets, le, strict=True)]
+        out[label] = ([*pairs, ("+Inf", count)], float(total))
     return out
 
 
@@ -160,10 +161,11 @@ def _empty(buckets) -> tuple[list, float]:
 
 # Each query covers the attempts of the clusters given: the untallied ones at scrape time, or a
 # batch a fold or the retention pass tallies.
-THESE_CLUSTERS = "cluster_job_id = ANY(%s)"
+THESE_CLUSTERS = "cluster_job_id = ANY(%(ids)s)"
+UNTALLIED_CLUSTERS = "cluster_job_id = ANY(ARRAY(SELECT id FROM untallied))"
 
 ATTEMPTS_SQL = """
-SELECT outcome, finished_at IS NULL, started_at IS NOT NULL, count(*)
+SELECT outcome, finished_at IS NULL AS open, started_at IS NOT NULL AS started, count(*) AS n
 FROM cluster_attempt WHERE {scope} GROUP BY 1, 2, 3
 """
 
@@ -182,7 +184,7 @@ PREPARE_SQL = """
 SELECT CASE WHEN started_at IS NOT NULL THEN 'started' ELSE 'failed' END AS label,
        greatest(0, extract(epoch FROM coalesce(started_at, finished_at) - created_at)) AS s
 FROM cluster_attempt
-WHERE (started_at IS NOT NULL OR outcome = %s) AND {scope}
+WHERE (started_at IS NOT NULL OR outcome = %(prepare_failed)s) AND {scope}
 """
 
 # Tallied metrics: what cluster_metric_tally's `metric` column calls them.
@@ -190,29 +192,50 @@ ATTEMPTS, QUEUED_TO_STARTED, PREPARE = "attempts", "queued_to_started", "prepare
 CLUSTERS = "clusters"  # the tallied clusters by status, less those retention deleted
 
 
-def _attempt_figures(scope: str, scope_params: list):
-    """Finished attempts by outcome, open ones by phase, and the two histograms, over the
-    attempts of `scope`."""
+def _json_rows(sql: str) -> str:
+    return f"(SELECT coalesce(json_agg(r), '[]') FROM ({sql}) AS r)"
+
+
+def _figures_sql(scope: str) -> str:
+    """Three columns over the attempts of `scope`: ATTEMPTS_SQL's rows and the two histograms'."""
+    histograms = (
+        (QUEUED_TO_STARTED_SQL, QUEUED_TO_STARTED_BUCKETS),
+        (PREPARE_SQL, PREPARE_BUCKETS),
+    )
+    queries = [ATTEMPTS_SQL, *(_histogram_sql(sql, buckets) for sql, buckets in histograms)]
+    return ", ".join(_json_rows(sql.format(scope=scope)) for sql in queries)
+
+
+FIGURES_SQL = f"SELECT {_figures_sql(THESE_CLUSTERS)}"
+
+# The scrape's reads in one statement, so in one snapshot: a fold another process commits
+# meanwhile is counted by the tally or by the rows, never by both or neither.
+SCRAPE_SQL = f"""
+WITH untallied AS (SELECT id, status FROM cluster_job WHERE NOT tallied)
+SELECT {_json_rows("SELECT metric, series, value FROM cluster_metric_tally")},
+       {_json_rows("SELECT status, count(*) AS n FROM untallied GROUP BY status")},
+       {_figures_sql(UNTALLIED_CLUSTERS)}
+"""
+
+
+def _read(sql: str, **params) -> tuple:
+    """The one row of `sql`, its columns each `_json_rows`, the last three `_figures_sql`'s: the
+    rows of the others, then finished attempts by outcome, open ones by phase, the histograms."""
     from clusters.models import AttemptOutcome
 
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {"prepare_failed": AttemptOutcome.PREPARE_FAILED, **params})
+        columns = [[tuple(r.values()) for r in rows] for rows in cursor.fetchone()]
+    *others, attempts, waits, prepares = columns
     finished = dict.fromkeys(AttemptOutcome.values, 0)
     open_ = {"preparing": 0, "started": 0}
-    with connection.cursor() as cursor:
-        cursor.execute(ATTEMPTS_SQL.format(scope=scope), scope_params)
-        for outcome, is_open, started, n in cursor.fetchall():
-            if not is_open:
-                finished[outcome] = finished.get(outcome, 0) + n
-            else:
-                open_["started" if started else "preparing"] += n
-    waits = _histograms(
-        QUEUED_TO_STARTED_SQL.format(scope=scope), QUEUED_TO_STARTED_BUCKETS, scope_params
-    )
-    prepares = _histograms(
-        PREPARE_SQL.format(scope=scope),
-        PREPARE_BUCKETS,
-        [AttemptOutcome.PREPARE_FAILED, *scope_params],
-    )
-    return finished, open_, waits, prepares
+    for outcome, is_open, started, n in attempts:
+        if not is_open:
+            finished[outcome] = finished.get(outcome, 0) + n
+        else:
+            open_["started" if started else "preparing"] += n
+    waits = _histograms(waits, QUEUED_TO_STARTED_BUCKETS)
+    return *others, finished, open_, waits, _histograms(prepares, PREPARE_BUCKETS)
 
 
 def _histogram_series(histograms) -> list[tuple[str, float]]:
@@ -244,7 +267,7 @@ FOR UPDATE OF c SKIP LOCKED
 
 def _figures_of(cluster_ids: list[int]) -> Counter:
     """What these clusters' attempts count, as tally rows: {(metric, series): value}."""
-    finished, _, waits, prepares = _attempt_figures(THESE_CLUSTERS, [cluster_ids])
+    finished, _, waits, prepares = _read(FIGURES_SQL, ids=cluster_ids)
     rows = Counter({(ATTEMPTS, outcome): n for outcome, n in finished.items() if n and outcome})
     rows.update({(QUEUED_TO_STARTED, s): v for s, v in _histogram_series(waits)})
     rows.update({(PREPARE, s): v for s, v in _histogram_series(prepares)})
@@ -290,12 +313,6 @@ def tally_deleted(cluster_ids: list[int]) -> None:
     _add_to_tally(rows)
 
 
-def _tally() -> dict[tuple[str, str], float]:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT metric, series, value FROM cluster_metric_tally")
-        return {(metric, series): value for metric, series, value in cursor.fetchall()}
-
-
 def _with_tally(histogram, label: str, tally, metric: str):
     pairs, total = histogram
     pairs = [(le, n + int(tally.get((metric, f"{label}|{le}"), 0))) for le, n in pairs]
@@ -311,33 +328,14 @@ def counted(queryset, field: str, labels) -> dict:
     return counts
 
 
-@contextmanager
-def _snapshot():
-    """A transaction whose reads see one snapshot: a fold committed by another process halfway
-    through a scrape is then counted by the tally or by the rows, never by both or neither.
-    Within a transaction already (a test's), that transaction's."""
-    outermost = not connection.in_atomic_block
-    with transaction.atomic():
-        if outermost:
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        yield
-
-
 def database_metrics():
-    from clusters.models import ClusterJob, ClusterStatus
+    from clusters.models import ClusterStatus
     from gradient.jobs.models import JobKind
     from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
     fold()
-    with _snapshot():
-        tally = _tally()
-        untallied = list(ClusterJob.objects.filter(tallied=False).values_list("pk", "status"))
-        finished, open_, waits, prepares = _attempt_figures(
-            THESE_CLUSTERS, [[pk for pk, _ in untallied]]
-        )
-
-    by_status = Counter(status for _, status in untallied)
+    tally, by_status, finished, open_, waits, prepares = _read(SCRAPE_SQL)
+    tally, by_status = {(m, s): v for m, s, v in tally}, Counter(dict(by_status))
     clusters = GaugeMetricFamily("gradient_clusters", "Cluster jobs by status.", labels=["status"])
     for status in ClusterStatus.values:
         clusters.add_metric([status], by_status[status] + int(tally.get((CLUSTERS, status), 0)))

@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterJob, ClusterStatus
 from clusters.retention import run_retention
 from gradient import metrics
-from tests.concurrency import race
+from tests.concurrency import frozen_connection, race
 from tests.factories import ClusterFactory
+from tests.test_reservation import until_waiting_on
 
 
 def scrape() -> dict:
@@ -99,16 +100,43 @@ def test_a_scrape_counts_the_same_before_and_after_another_process_folds(monkeyp
     assert figures(scrape()) == pytest.approx(before)
 
 
+GATE = 48  # advisory lock key a gated scrape waits on
+
+
+def gated_scrape_read():
+    """The scrape's statement, made to wait on GATE halfway, in its read of the tally: on this
+    connection alone, a temporary view that waits shadows the table."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION pg_temp.gate() RETURNS boolean STABLE LANGUAGE plpgsql AS"
+            f" $$BEGIN PERFORM pg_advisory_xact_lock_shared({GATE}); RETURN true; END$$"
+        )
+        cursor.execute(
+            "CREATE TEMP VIEW cluster_metric_tally AS"
+            " SELECT * FROM public.cluster_metric_tally WHERE pg_temp.gate()"
+        )
+    tally, by_status, *_ = metrics._read(metrics.SCRAPE_SQL)
+    return tally, by_status
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_scrape_reads_one_snapshot_while_another_process_folds():
+def test_a_fold_another_process_commits_during_a_scrape_is_counted_once():
     finished_cluster()
-    with metrics._snapshot():
-        tally = metrics._tally()
-        race(drain(10))  # commits on its own connection meanwhile
-        untallied = ClusterJob.objects.filter(tallied=False).count()
-    # Counted by the rows, not by the tally, in that snapshot: once.
-    assert (tally, untallied) == ({}, 1)
-    assert metrics._tally()[(metrics.CLUSTERS, "Completed")] == 1
+    gate = frozen_connection()
+    gate.execute("SELECT pg_advisory_lock(%s)", [GATE])
+
+    def fold_meanwhile():
+        until_waiting_on(GATE)  # the scrape's statement has begun
+        folded = metrics.fold()
+        gate.close()
+        return folded
+
+    read, folded = race(gated_scrape_read, fold_meanwhile)
+
+    assert folded == 1
+    # Counted by the rows, not by the tally, in the statement's snapshot: once.
+    assert read == ([], [("Completed", 1)])
+    assert scrape()[("gradient_clusters", (("status", "Completed"),))] == 1
 
 
 @pytest.mark.django_db
