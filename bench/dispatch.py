@@ -313,8 +313,8 @@ def time_target() -> float:
     every connected worker, busy or idle."""
     from django.utils import timezone
 
+    from clusters.book import startable_clusters
     from clusters.reservation import first_target
-    from clusters.tracking import startable_clusters
 
     now = timezone.now()
     book = startable_clusters(now)
@@ -333,9 +333,9 @@ def bench_pass(grid: list[tuple[int, int, int]], repeat: int) -> list[dict]:
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     channel_layers.backends.clear()
     logging.getLogger("clusters").setLevel(logging.WARNING)  # a line per claim is noise here
-    # As a Celery pool process runs the pass (clusters.tasks.settle_heap): with the default
+    # As a Celery pool process runs the pass (clusters.tasks.tune_heap): with the default
     # collector thresholds, collections over the bench's heap took a fifth of a large pass.
-    heap.settle()
+    heap.tune()
     rows = []
     for clusters, workers, history in grid:
         common.ensure_database()
@@ -443,7 +443,7 @@ def pass_method(repeat: int) -> list[str]:
         " process's Python at 2,000 x 5,000; production sends them in one batched Redis call).",
         f"Timed: medians over {repeat} passes after a warm-up pass, each from the same state"
         " (every claim undone, every idle slot fresh), in a process whose collector is set as"
-        " a Celery pool process's (`gradient.heap.settle()`).",
+        " a Celery pool process's (`gradient.heap.tune()`).",
         "Pieces, from wrappers around what `run_pass` calls: `startable_clusters` (the book);"
         " `snapshot` (the idle workers); `plan` (producing the placements, waits for scores"
         " included); `claims` (the three claimer threads' time, summed, overlapping the plan);"

@@ -78,7 +78,7 @@ async def storm(url: str, names, procs: common.Processes, port: int, restarts: i
 
     config = WorkerConfig()  # the reference worker as it ships: backoff 0.1 s doubling to 2 s
     fleet = Fleet([(n, t, config) for n, t in names], url=url, ramp_secs=0)
-    heap.settle()  # as simulate_workers does: the fleet shares the cores with the stack
+    heap.tune()  # as simulate_workers does: the fleet shares the cores with the stack
     began = time.time()
     running = asyncio.create_task(fleet.run())
     out = {"restarts": []}

@@ -34,7 +34,7 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner
-from clusters.tracking import StartableCluster
+from clusters.book import StartableCluster
 from gradient.postgresql.arrays import int_array, text_array
 from gradient.wire.groups import send_frames
 from workers.head import window
@@ -59,7 +59,7 @@ GROUP BY s.job_id
 # Of the candidate seats of each member (a bounded list, in the order they are to be asked),
 # the first `per_member` that were never offered that member on their connections, offered
 # now: one statement per cluster, whatever the size of the idle fleet.
-OFFER_SQL = """
+ASK_SEATS_SQL = """
 WITH unasked AS (
     SELECT p.worker_id, p.job_id,
            row_number() OVER (PARTITION BY p.job_id ORDER BY p.turn) AS n
@@ -270,7 +270,7 @@ class Asking:
             return []
         with connection.cursor() as cursor:
             cursor.execute(
-                OFFER_SQL,
+                ASK_SEATS_SQL,
                 {
                     "now": self.now,
                     "workers": int_array(workers),

@@ -14,6 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters.blame import PREPARE_TIMEOUT, REJECTED, Blame
+from clusters.book import ROLE_INDEX_SQL, role_indexes
 from clusters.claim import SET_LOCK_TIMEOUT, fail_prepare_attempt, lock_timeout_params
 from clusters.models import (
     ATTEMPT_IS_OPEN,
@@ -24,7 +25,6 @@ from clusters.models import (
     ClusterMember,
     ClusterStatus,
 )
-from clusters.tracking import ROLE_INDEX_SQL, role_indexes
 from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import EVALUATION_MACHINE, DispatchedJob, EvaluationStatus
@@ -67,7 +67,7 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
 #   Running), its cluster Queued -> Running and counting it (so a failed prepare never spends
 #   the budget), the member evaluations Queued -> EvaluatingFlake (builds went Building at the
 #   claim). There is no start apart from this statement.
-# - members: once started, each member's (role, index) (clusters.tracking), for the roster.
+# - members: once started, each member's (role, index) (clusters.book), for the roster.
 # A row per seat with its worker when this acceptance started the attempt, else one row.
 # Times are the database's clock as each write happens, after the locks: a time taken before
 # the statement would be older than an acceptance committed while this one waited for the

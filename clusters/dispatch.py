@@ -21,19 +21,13 @@ from django.utils import timezone
 
 from clusters import planner, reservation, wake
 from clusters.asking import Asking
+from clusters.book import MemberRow, StartableCluster, planned_cluster, startable_clusters
 from clusters.claim import ClusterClaim, claim_clusters
 from clusters.coordinator import expire_overdue_prepares
+from clusters.fleet import fleet, planned_worker
 from clusters.models import AttemptOutcome
+from clusters.reservation import note_waiting
 from clusters.scores import CheapestScores, all_scores, own_connection
-from clusters.tracking import (
-    MemberRow,
-    StartableCluster,
-    fleet,
-    note_waiting,
-    planned_cluster,
-    planned_worker,
-    startable_clusters,
-)
 from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.steps import MEMBER_STEPS

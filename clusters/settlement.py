@@ -70,7 +70,7 @@ CLUSTER_STATUS = {
 # outcome, failure kind, dead: its job final or gone, aborted: its job Aborted) and the
 # attempt and cluster it belongs to, in job-key order. {attempt} is the attempt's id, or
 # REPORTED_ATTEMPT.
-MEMBERS_SQL = """
+VERDICT_INPUT_SQL = """
 SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NULL,
        c.attempts, c.retry_budget,
        d.id, d.job_id, d.worker_id, d.evaluation_id, d.derivation_build_id, d.finished_at,
@@ -89,7 +89,7 @@ LEFT JOIN derivation_build b ON b.id = d.derivation_build_id
 WHERE a.id = {attempt}
 ORDER BY d.job_id
 """
-ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
+ATTEMPT_MEMBERS_SQL = VERDICT_INPUT_SQL.format(attempt="%(attempt)s")
 
 # A member's report opens its transaction with these four statements (a fifth for a success:
 # workers.health.COUNT_SUCCESS_SQL), sent together (a psycopg pipeline: one round trip). Each
@@ -107,7 +107,7 @@ SELECT {SET_LOCK_TIMEOUT} WHERE {REPORTED_ATTEMPT} IS NOT NULL
 LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
 # The row finishes with the report if it is open (its guarded write), and a Completed only
 # once the attempt has started; the row comes back when it did.
-FINISH_SQL = DISPATCHED_MACHINE.update(
+FINISH_REPORTED_SQL = DISPATCHED_MACHINE.update(
     "finish",
     "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s"
     " AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = dispatched_job.cluster_attempt_id"
@@ -115,7 +115,7 @@ FINISH_SQL = DISPATCHED_MACHINE.update(
     also=", failure_kind = %(kind)s, error = %(error)s, log_tail = %(log_tail)s",
 )
 # The verdict's input, the report included; no row for an assignment that is no member's.
-REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
+REPORTED_MEMBERS_SQL = VERDICT_INPUT_SQL.format(attempt=REPORTED_ATTEMPT)
 
 # Settling, in the lock order of clusters.claim (the attempt, locked already, then its rows,
 # its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
@@ -172,7 +172,7 @@ class Member:
 
 @dataclass(frozen=True)
 class Attempt:
-    """An attempt under its lock, with its members, as MEMBERS_SQL reads them."""
+    """An attempt under its lock, with its members, as VERDICT_INPUT_SQL reads them."""
 
     id: uuid.UUID
     cluster_id: int
@@ -275,7 +275,7 @@ def _record_report(
     with connection.wrap_database_errors, connection.connection.pipeline():
         send(BOUND_MEMBER_LOCK_WAITS_SQL, params)
         send(LOCK_ATTEMPT_SQL, params)
-        finish = send(FINISH_SQL, params)
+        finish = send(FINISH_REPORTED_SQL, params)
         if outcome == DispatchedOutcome.COMPLETED:
             send(COUNT_SUCCESS_SQL, params)
         members = send(REPORTED_MEMBERS_SQL, params)

@@ -1,7 +1,7 @@
 """Answering a RequestJob: the worker's head of the queue read (and offered), then the cheapest
 job of it assigned, or an idle slot recorded and the dispatch pass woken."""
 
-from clusters import tracking
+from clusters.head import member_head_parts
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers
@@ -11,7 +11,7 @@ from workers.models import Worker
 def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
     """The worker's head of these kinds, with the JobOffer of what it was not offered on this
     connection. A RequestJob reads its own kind's: what it scores is what the answer uses."""
-    parts = tracking.member_head_parts(worker, kinds)
+    parts = member_head_parts(worker, kinds)
     return offers.offer_head(worker, offered, parts, kinds)
 
 

@@ -8,10 +8,10 @@ import pytest
 from django.utils import timezone
 
 from clusters import planner, scores
+from clusters.book import startable_clusters
 from clusters.dispatch import CLAIM_BATCH, run_pass, snapshot
 from clusters.models import ClusterAttempt
 from clusters.scores import SCORE_CHUNK, CheapestScores
-from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from gradient.wire.groups import drain_sends
 from tests.clusterflow import Inbox, idle_workers

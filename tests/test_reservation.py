@@ -10,10 +10,10 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from clusters.abort import abort_cluster
+from clusters.book import startable_clusters
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
-from clusters.reservation import active_reservation, due, first_target, reserve
-from clusters.tracking import note_waiting, startable_clusters
+from clusters.reservation import active_reservation, due, first_target, note_waiting, reserve
 from gradient.jobs.models import DerivationBuild, DispatchedJob
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import rows_locked

@@ -1,7 +1,7 @@
 """The single path: RequestJob -> the cheapest job of the worker's head -> claim -> AssignJob.
 
 Members of a Queued or Running cluster are never given out here: they start only through
-their cluster (clusters.tracking). Nothing to give records an idle slot, the planner's view
+their cluster (clusters.book). Nothing to give records an idle slot, the planner's view
 of free capacity.
 """
 

@@ -3,7 +3,7 @@ single path chooses among.
 
 Per kind, the first GRADIENT_OFFER_WINDOW single jobs the worker could take in the single
 path's order (prioritized first, then oldest); the members' part, of the clusters waiting to
-start, is clusters.tracking's. Each part walks one index in that order and stops at the
+start, is clusters.head's. Each part walks one index in that order and stops at the
 window, so a read costs the window plus the jobs ahead that the worker cannot take, never the
 depth of the queue.
 """

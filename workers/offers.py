@@ -1,7 +1,7 @@
 """JobOffer and JobScores: the head of the queue offered to a worker, and what it would fetch.
 
 A worker is offered, before a RequestJob is answered, the jobs of its head it was not offered
-on this connection (workers.head, clusters.tracking.member_head_parts). Single jobs and members
+on this connection (workers.head, clusters.head.member_head_parts). Single jobs and members
 are remembered apart, by who reads their scores:
 - a single job's score serves only this worker's next choice on this connection, so the
   session keeps the offers and the scores (`Offered`), for the jobs at its head alone;
@@ -26,7 +26,7 @@ from gradient.wire.protocol import JobOffer, OfferedJob, Rendered
 from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
 
-SETTLE = timedelta(seconds=10)
+OFFER_GRACE = timedelta(seconds=10)
 
 NO_MEMBERS = """
 SELECT NULL::text AS key, NULL::text AS kind, NULL::text AS project, NULL::text AS architecture,
@@ -37,9 +37,9 @@ WHERE false
 # The worker's head in one statement: the single jobs of each kind as rows (HeadJob's fields),
 # and the members new to this connection as the JobOffer's own JSON, made by PostgreSQL;
 # member rows of jobs that left the head are deleted, the new ones written. A row written in
-# the last SETTLE stays: the dispatch pass offers a cluster before it marks it waiting, and the
+# the last OFFER_GRACE stays: the dispatch pass offers a cluster before it marks it waiting, and the
 # answer to that offer must outlive the worker's own offers in between.
-OFFER_SQL = (
+HEAD_OFFER_SQL = (
     """
 WITH singles AS ({singles}),
 members AS ({members}),
@@ -49,7 +49,7 @@ dropped AS (
       AND """
     + key_kind_sql("s.job_id")
     + """ = ANY(%(kinds)s::text[])
-      AND coalesce(s.scored_at, s.offered_at) < %(settled)s
+      AND coalesce(s.scored_at, s.offered_at) < %(grace_since)s
 ),
 fresh AS (
     INSERT INTO job_score (worker_id, job_id, offered_at)
@@ -137,19 +137,19 @@ def offer_head(
     """Read the worker's head of these kinds and offer it the jobs it has not been offered on
     this connection (`offered` remembers the single jobs; without it, every single job counts
     as new). `member_parts` are the members' parts of those kinds
-    (clusters.tracking.member_head_parts)."""
+    (clusters.head.member_head_parts)."""
     offered = offered if offered is not None else Offered()
     if worker.draining:
         return Head([], None)
     singles = singles_parts(worker, kinds)
     members = list(member_parts) or [NO_MEMBERS]
-    sql = OFFER_SQL.format(
+    sql = HEAD_OFFER_SQL.format(
         singles=" UNION ALL ".join(f"({part})" for part in singles) if singles else NO_SINGLES,
         members=" UNION ".join(f"({part})" for part in members),
     )
     with db_connection.cursor() as cursor:
         now = timezone.now()
-        params = {"now": now, "settled": now - SETTLE, "kinds": list(kinds)}
+        params = {"now": now, "grace_since": now - OFFER_GRACE, "kinds": list(kinds)}
         cursor.execute(sql, {**platform_params(worker), **params})
         singles_json, members_json = cursor.fetchone()
     head = [_head_job(row) for row in json.loads(singles_json)]

@@ -47,7 +47,7 @@ def advance_builds(pks, to: str, expect=None) -> int:
     return move(BUILD_MACHINE, pks, to, expect)
 
 
-FINISH_SQL = DISPATCHED_MACHINE.update(
+FINISH_ASSIGNMENTS_SQL = DISPATCHED_MACHINE.update(
     "finish",
     "id = ANY(%(ids)s)",
     also=", failure_kind = %(failure_kind)s, error = %(error)s, log_tail = %(log_tail)s",
@@ -76,5 +76,5 @@ def finish_assignments(
     if not params["ids"]:
         return 0
     with connection.cursor() as cursor:
-        cursor.execute(FINISH_SQL, params)
+        cursor.execute(FINISH_ASSIGNMENTS_SQL, params)
         return cursor.rowcount
