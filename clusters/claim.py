@@ -31,14 +31,7 @@ from clusters.models import (
     CLUSTER_MACHINE,
     AttemptOutcome,
 )
-from gradient.jobs.claim import (
-    ATTEMPT_OPENED,
-    CLAIM_ROWS,
-    CLAIM_SQL,
-    START_CONDITION,
-    Assignment,
-    claim_params,
-)
+from gradient.jobs.claim import CLAIM_ROWS, START_CONDITION, Assignment, claim_params, claim_sql
 from gradient.jobs.models import (
     BUILD_MACHINE,
     DISPATCHED_MACHINE,
@@ -48,6 +41,7 @@ from gradient.jobs.models import (
     JobKind,
 )
 from gradient.jobs.transitions import advance_builds, advance_evaluations
+from gradient.postgresql.arrays import text_array
 from gradient.postgresql.pipeline import send
 from workers.health import quarantined_sql
 
@@ -124,9 +118,15 @@ WHERE (SELECT count(*) FROM seats) >= 0
 ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING cluster_job_id
 """
-# The members: the single-assignment claim statement (CLAIM_SQL), a row per member; one that
-# inserts nothing (its job is open elsewhere) rolls the transaction back. Then the spec's
-# Assigned transition of the builds claimed under the attempts opened.
+# A member's row goes in only under its attempt, opened by the step before. One lookup of the
+# rows' own attempts, hashed, rather than a probe per row: a probe's plan follows the table's
+# stats, and an attempt table small when analyzed was scanned whole for every member.
+ATTEMPT_OPENED = """(t.attempt_id IS NULL OR t.attempt_id IN (
+     SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[])))"""
+# The members: the single-assignment claim statement (gradient.jobs.claim), a row per member;
+# one that inserts nothing (its job is open elsewhere) rolls the transaction back. Then the
+# spec's Assigned transition of the builds claimed under the attempts opened.
+CLAIM_MEMBERS_SQL = claim_sql(ATTEMPT_OPENED)
 ASSIGN_BUILDS_SQL = BUILD_MACHINE.update(
     "assign",
     f"id IN (SELECT t.build_id FROM {CLAIM_ROWS} WHERE {ATTEMPT_OPENED})",
@@ -178,6 +178,7 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
         "claimable": sorted(CLUSTER_CLAIMABLE),
         "now": timezone.now(),  # a seat's worker quarantined since the snapshot is no seat
         **claim_params(members),
+        "attempts": text_array(sorted({m.cluster_attempt_id.hex for m in members})),
         **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
         **lock_timeout_params(),
     }
@@ -185,7 +186,7 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
         with connection.wrap_database_errors, connection.connection.pipeline():
             send(BOUND_LOCK_WAITS_SQL, params)
             opened = send(OPEN_ATTEMPTS_SQL, params)
-            claimed = send(CLAIM_SQL, params)
+            claimed = send(CLAIM_MEMBERS_SQL, params)
             assigned = send(ASSIGN_BUILDS_SQL, params)
             taken = send(TAKE_SEATS_SQL, params)
         won = {row[0] for row in opened.fetchall()}

@@ -62,6 +62,14 @@ def note_waiting(waiting: list[int], now) -> None:
         cursor.execute(NOTE_WAITING_SQL, {"waiting": int_array(waiting), "now": now})
 
 
+def seat_reserved_sql(kind: str) -> str:
+    """SQL: the worker row w holds a seat of `kind` in the active reservation (the single path
+    gives such a worker no job of that kind: workers.assignment.request_job)."""
+    return f"""EXISTS (SELECT 1 FROM reservation_seat s
+                   JOIN cluster_reservation r ON r.id = s.reservation_id
+                   WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)"""
+
+
 def active_reservation() -> ClusterReservation | None:
     return ClusterReservation.objects.filter(released_at__isnull=True).first()
 

@@ -2,6 +2,7 @@
 job of it assigned, or an idle slot recorded and the dispatch pass woken."""
 
 from clusters.head import member_head_parts
+from clusters.reservation import seat_reserved_sql
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers
@@ -21,7 +22,8 @@ def answer_request(
     """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
     and a cluster may now have its full placement, so the dispatch pass wakes (not for a
     resend's slot that a pass has seen already)."""
-    answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend)
+    reserved = seat_reserved_sql(kind)
+    answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend, reserved)
     if answer.wake:
         wake_dispatch()
     return answer.assign

@@ -52,11 +52,11 @@ def has_room_sql(kind: str) -> str:
 # is taking right now (a claimer locks its job row, and the others pass over it instead of
 # queueing behind its transaction: workers that score alike all prefer the same job), if the
 # worker has room for it (its open assignments, held members included, below its slots, not
-# draining, no seat of the aging reservation); its assignment row by the single-assignment
-# claim (gradient.jobs.claim, over every candidate's row, the picked one kept), the Assigned
-# transition, the worker's idle slot cleared, and the head's first in line counted as passed
-# over when another job went (skipped while another claim holds it: a count, never a wait).
-# The job claimed comes back with its work (gradient.jobs.claim.CLAIMED_WORK).
+# draining, no seat of the aging reservation: {reserved}, the caller's); its assignment row by
+# the single-assignment claim (gradient.jobs.claim, over every candidate's row, the picked one
+# kept), the Assigned transition, the worker's idle slot cleared, and the head's first in line
+# counted as passed over when another job went (skipped while another claim holds it: a
+# count, never a wait). The job claimed comes back with its work (CLAIMED_WORK).
 SINGLE_CLAIM_SQL = """
 WITH pick AS (
     SELECT j.id FROM {table} j
@@ -66,9 +66,7 @@ WITH pick AS (
     FOR NO KEY UPDATE {skip}
 ), room AS (
     SELECT NOT ({has_room}) AS no_room,
-           EXISTS (SELECT 1 FROM reservation_seat s
-                   JOIN cluster_reservation r ON r.id = s.reservation_id
-                   WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
+           {reserved}
                AS reserved
     FROM worker w WHERE w.id = %(worker)s
 ), claimed AS ({claim}), assigned AS (
@@ -106,10 +104,11 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 
 
 @functools.cache
-def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool) -> str:
+def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool, reserved: str) -> str:
     return SINGLE_CLAIM_SQL.format(
         table=job_table(kind),
         kind=kind,
+        reserved=reserved,
         statuses=literals(statuses),
         has_room=has_room_sql(f"'{kind}'"),
         claim=claim_sql(PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))),
@@ -143,7 +142,9 @@ class Claimed(NamedTuple):
 NOTHING = Claimed(None, None, [], False, False)
 
 
-def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
+def claim_best(
+    worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob, reserved: str
+) -> Claimed:
     """Claim the first of `jobs` (ranked) that can be claimed."""
     by_id = {job.id: job for job in jobs}
     skip = True
@@ -151,7 +152,7 @@ def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJ
         rows = {job.key: _assignment(worker, how, job) for job in by_id.values()}
         with connection.cursor() as cursor:
             cursor.execute(
-                _claim_sql(how.kind, how.statuses, skip),
+                _claim_sql(how.kind, how.statuses, skip, reserved),
                 {
                     "ids": list(by_id),
                     "worker": worker.pk,
@@ -266,13 +267,16 @@ def request_job(
     head: list[HeadJob] | None = None,
     sizes: Mapping[str, int | None] | None = None,
     resend: bool = False,
+    reserved: str = "false",
 ) -> Answer:
     """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
     take now, or none after recording an idle slot (none when it is full, draining or cannot
     serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
     worker's scores of them (workers.offers.Offered); without them the head is read now.
     `resend`: the session answered this kind with an idle slot last, and the worker reported
-    nothing since (record_idle then refreshes the slot it finds)."""
+    nothing since (record_idle then refreshes the slot it finds). `reserved`: SQL, whether the
+    worker row w holds a seat of this kind for a cluster (clusters.reservation.seat_reserved_sql:
+    the clusters app's tables, which this app does not read itself)."""
     worker = worker or Worker.objects.get(pk=worker_id)
     how = offerable(worker, kind)
     if how is None or worker.draining:
@@ -282,7 +286,7 @@ def request_job(
         jobs = head if read == 0 and head is not None else read_singles(worker, how)
         if not jobs:
             break
-        claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0])
+        claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0], reserved)
         if claimed.no_room:
             clear_idle(worker_id, kind)
             return Answer(None, False)

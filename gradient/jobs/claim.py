@@ -18,7 +18,6 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
-from gradient.postgresql.arrays import text_array
 from gradient.wire.keys import job_key
 
 
@@ -71,12 +70,6 @@ START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
      ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
                   AND e.status = ANY(%(eval_startable)s) OFFSET 0)
 END"""
-# A row's attempt was opened (always true for a single job's row). One lookup of the rows'
-# own attempts, hashed, rather than a probe per row: a probe's plan follows the table's stats,
-# and an attempt table small when analyzed was scanned whole for every member.
-ATTEMPT_OPENED = """(t.attempt_id IS NULL OR t.attempt_id IN (
-     SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[])))"""
-
 # What a claimed row's job runs (gradient.jobs.work), for its AssignJob: read here, for the
 # jobs claimed alone, so that the reads of the queue never carry it. One JSON object with the
 # AssignJob's own keys, read by its job's primary key, as START_CONDITION probes it.
@@ -89,9 +82,9 @@ CLAIMED_WORK = """CASE WHEN dispatched_job.derivation_build_id IS NOT NULL
            FROM evaluation e WHERE e.id = dispatched_job.evaluation_id)
 END"""
 
-# Rows go in job-key order, so overlapping claimers queue on the same key first. A member's
-# row goes in only under its attempt: a cluster claim whose attempt was not opened (it lost
-# that step) inserts none of its members. Each row claimed comes back with its job's work.
+# Rows go in job-key order, so overlapping claimers queue on the same key first. Each row
+# claimed comes back with its job's work. A caller adds its own condition (claim_sql): the
+# single path which candidate it takes, a cluster claim that the row's attempt was opened.
 CLAIM_TEMPLATE = f"""
 INSERT INTO dispatched_job (
     id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
@@ -101,7 +94,6 @@ SELECT t.id, t.kind, t.job_id, t.evaluation_id, t.build_id, t.worker_id, t.proje
        string_to_array(t.steps, ','), t.dispatched_at, t.attempt_id, t.size
 FROM {CLAIM_ROWS}
 WHERE {START_CONDITION}
-  AND {ATTEMPT_OPENED}
   /*also*/
 ORDER BY t.job_id
 ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
@@ -111,8 +103,7 @@ CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
 
 
 def claim_sql(also: str) -> str:
-    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t): the single path
-    names there which of its candidates a statement claims."""
+    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t)."""
     return CLAIM_TEMPLATE.replace("/*also*/", f"AND {also}")
 
 
@@ -145,8 +136,7 @@ def claim_params(assignments: list[Assignment]) -> dict:
                 "substitute": a.gate.substitute,
             }
         )
-    attempts = text_array(sorted({r["attempt_id"] for r in rows if r["attempt_id"]}))
-    return {"claims": json.dumps(rows), "attempts": attempts, **START_PARAMS}
+    return {"claims": json.dumps(rows), **START_PARAMS}
 
 
 def claim_assignment(assignment: Assignment, using=None) -> bool:
