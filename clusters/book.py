@@ -15,10 +15,9 @@ from typing import NamedTuple
 from django.db import connection
 from django.utils import timezone
 
-from clusters import planner
-from clusters.models import ATTEMPT_IS_OPEN_SQL, BACKING_OFF_SQL, ClusterStatus, backoff_since
-from gradient.jobs.models import BuildStatus, EvaluationStatus, JobKind
-from gradient.wire.keys import member_key_sql
+from clusters import planner, statements
+from clusters.models import backoff_since
+from gradient.jobs.models import JobKind
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,6 @@ def planned_cluster(cluster: StartableCluster, avoid: frozenset[int] = frozenset
     )
 
 
-# The same numbering in SQL, over cluster_member's rows of one cluster.
-ROLE_INDEX_SQL = "row_number() OVER (PARTITION BY role ORDER BY id) - 1"
-
-
 def role_indexes(members) -> dict[str, tuple[str, int]]:
     """job key -> (role, index): members of one role count from 0 in creation (id) order."""
     seen: dict[str, int] = {}
@@ -84,61 +79,6 @@ def role_indexes(members) -> dict[str, tuple[str, int]]:
         seen[m.role] = seen.get(m.role, -1) + 1
         out[m.job_key] = (m.role, seen[m.role])
     return out
-
-
-# Clusters that can start: Queued, no open attempt, not backing off after a failed prepare,
-# and every member's job startable (evaluation Queued, build Queued) with no open row
-# anywhere. A member that cannot start holds its whole cluster back. Each cluster's attempts
-# and members are aggregated in subqueries of their own, which PostgreSQL cannot flatten:
-# joined flat, it hash-joined every attempt and job row of the history kept for each pass.
-STARTABLE_SQL = f"""
-SELECT c.id, c.same_zone, c.created_at, c.prioritized, c.waiting_since, c.offered_at
-FROM cluster_job c
-CROSS JOIN LATERAL (
-    SELECT count(*) AS blocking FROM cluster_attempt a
-    WHERE a.cluster_job_id = c.id
-      AND ({ATTEMPT_IS_OPEN_SQL}
-           OR ({BACKING_OFF_SQL}))
-) t
-CROSS JOIN LATERAL (
-    SELECT bool_and(coalesce(e.status = '{EvaluationStatus.QUEUED}',
-                             b.status = '{BuildStatus.QUEUED}')) AS queued,
-           bool_or(EXISTS (
-               SELECT 1 FROM dispatched_job d WHERE d.finished_at IS NULL AND d.job_id =
-                   {member_key_sql("m.evaluation_id", "m.derivation_build_id")})) AS open
-    FROM cluster_member m
-    LEFT JOIN evaluation e ON e.id = m.evaluation_id
-    LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-    WHERE m.cluster_job_id = c.id
-) s
-WHERE c.status = '{ClusterStatus.QUEUED}' AND t.blocking = 0 AND s.queued AND NOT s.open
-ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC
-LIMIT %(limit)s
-"""
-
-
-# The members of the clusters that can start, with what their seats and AssignJobs need, in
-# the order the ORM would give them (ClusterMember.Meta.ordering). Each job row is a subquery
-# of its own (its LIMIT keeps it so), probed by its key: joined flat, PostgreSQL hash-joined
-# the job tables' whole history for each pass.
-BOOK_MEMBERS_SQL = f"""
-SELECT m.cluster_job_id, m.id, m.role, m.pin, m.evaluation_id, m.derivation_build_id,
-       coalesce(e.architecture, b.architecture), coalesce(e.required_features, b.required_features),
-       p.id, p.name, coalesce(b.cache_available, false), coalesce(e.paths, b.paths),
-       {member_key_sql("m.evaluation_id", "m.derivation_build_id")}
-FROM cluster_member m
-LEFT JOIN LATERAL (
-    SELECT e.architecture, e.required_features, e.project_id, e.paths FROM evaluation e
-    WHERE e.id = m.evaluation_id LIMIT 1
-) e ON true
-LEFT JOIN LATERAL (
-    SELECT b.architecture, b.required_features, b.project_id, b.cache_available, b.paths
-    FROM derivation_build b WHERE b.id = m.derivation_build_id LIMIT 1
-) b ON true
-JOIN project p ON p.id = coalesce(e.project_id, b.project_id)
-WHERE m.cluster_job_id = ANY(%s)
-ORDER BY m.cluster_job_id, m.role, m.id
-"""
 
 
 class _Member(NamedTuple):
@@ -165,11 +105,11 @@ def startable_clusters(now=None, limit=10_000) -> list[StartableCluster]:
     thousands)."""
     now = now or timezone.now()
     with connection.cursor() as cursor:
-        cursor.execute(STARTABLE_SQL, {"backoff": backoff_since(now), "limit": limit})
+        cursor.execute(statements.STARTABLE_SQL, {"backoff": backoff_since(now), "limit": limit})
         heads = cursor.fetchall()
         if not heads:
             return []
-        cursor.execute(BOOK_MEMBERS_SQL, [[h[0] for h in heads]])
+        cursor.execute(statements.BOOK_MEMBERS_SQL, [[h[0] for h in heads]])
         members = [_Member._make(row) for row in cursor.fetchall()]
     by_cluster: dict[int, list[_Member]] = {}
     for m in members:

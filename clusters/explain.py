@@ -17,7 +17,7 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner, reservation
-from clusters.book import STARTABLE_SQL, role_indexes
+from clusters.book import role_indexes
 from clusters.fleet import planned_worker
 from clusters.history import iso_utc
 from clusters.models import (
@@ -28,6 +28,7 @@ from clusters.models import (
     backoff_since,
     retry_backoff,
 )
+from clusters.statements import STARTABLE_SQL
 from gradient.jobs.models import DispatchedJob
 from workers.health import is_quarantined
 from workers.models import Worker, idle_slot_fresh_since
@@ -53,7 +54,7 @@ def explain(cluster_id: int, now=None, reserved: dict[int, int] | None = None) -
     return {**head, "waiting": True, **_seating(cluster, members, now, reserved)}
 
 
-# Not in the book: the book's reasons (clusters.book.STARTABLE_SQL), in its order.
+# Not in the book: the book's reasons (clusters.statements.STARTABLE_SQL), in its order.
 
 
 def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:

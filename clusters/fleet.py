@@ -5,10 +5,10 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from clusters import planner
+from clusters import planner, statements
 from gradient.postgresql.arrays import int_array
-from workers.health import quarantined_sql
 from workers.models import idle_slot_fresh_since
+from workers.statements import quarantined_sql
 
 
 def planned_worker(
@@ -44,26 +44,12 @@ class WorkerRow(NamedTuple):
     quarantined: bool
 
 
-# The connected workers that may be seated (but for the `reserved` ones), each with the kinds
-# of its live idle slots: those with one at least ({join} JOIN), as the dispatch pass plans
-# over, or every one (LEFT JOIN), as a reservation's target is planned over.
-FLEET_SQL = """
-SELECT w.id, w.name, w.zone, w.architectures, w.system_features, w.all_projects,
-       w.can_eval, w.can_build,
-       coalesce(array_agg(s.kind) FILTER (WHERE s.kind IS NOT NULL), '{{}}'), {quarantined}
-FROM worker w
-{join} JOIN idle_slot s ON s.worker_id = w.id AND s.recorded_at >= %(fresh)s
-WHERE w.channel_name IS NOT NULL AND NOT w.draining AND w.revoked_at IS NULL
-  AND w.id <> ALL(%(reserved)s::bigint[])
-GROUP BY w.id
-ORDER BY w.id
-"""
-
-
 def fleet(now, *, idle_only: bool, reserved=()) -> tuple[list[WorkerRow], dict[int, frozenset]]:
     """FLEET_SQL's rows, and the projects of each worker limited to some: plain rows in two
     statements, whatever the fleet's size (not a model instance per worker)."""
-    sql = FLEET_SQL.format(join="" if idle_only else "LEFT", quarantined=quarantined_sql("w"))
+    sql = statements.FLEET_SQL.format(
+        join="" if idle_only else "LEFT", quarantined=quarantined_sql("w")
+    )
     access: dict[int, set[int]] = {}
     with connection.cursor() as cursor:
         cursor.execute(
@@ -72,11 +58,7 @@ def fleet(now, *, idle_only: bool, reserved=()) -> tuple[list[WorkerRow], dict[i
         rows = [WorkerRow._make(row) for row in cursor.fetchall()]
         limited = [w.pk for w in rows if not w.all_projects]
         if limited:
-            cursor.execute(
-                "SELECT worker_id, project_id FROM worker_projects"
-                " WHERE worker_id = ANY(%s::bigint[])",
-                [int_array(limited)],
-            )
+            cursor.execute(statements.WORKER_PROJECTS_SQL, [int_array(limited)])
             for worker_id, project_id in cursor.fetchall():
                 access.setdefault(worker_id, set()).add(project_id)
     return rows, {pk: frozenset(projects) for pk, projects in access.items()}

@@ -20,7 +20,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from clusters import planner
+from clusters import planner, statements
 from clusters.book import StartableCluster, planned_cluster
 from clusters.fleet import fleet, planned_worker
 from clusters.models import (
@@ -38,36 +38,11 @@ from workers.models import IdleSlot, JobScore, Worker, idle_slot_fresh_since
 log = logging.getLogger(__name__)
 
 
-# The aging clock of every cluster as one pass saw it: started for the clusters in its book
-# it did not place (unless running), stopped for the rest (placed, claimed, or no longer able
-# to start). Rows another transaction holds are skipped, not waited for: the next pass
-# catches up. Clusters past the book's limit count as not waiting.
-NOTE_WAITING_SQL = f"""
-WITH changed AS (
-    SELECT c.id, c.id = ANY(%(waiting)s::bigint[]) AS waiting FROM cluster_job c
-    WHERE (c.waiting_since IS NULL AND c.id = ANY(%(waiting)s::bigint[])
-           AND c.status = '{ClusterStatus.QUEUED}')
-       OR (c.waiting_since IS NOT NULL AND c.id <> ALL(%(waiting)s::bigint[]))
-    FOR NO KEY UPDATE OF c SKIP LOCKED
-)
-UPDATE cluster_job c SET waiting_since = CASE WHEN changed.waiting THEN %(now)s::timestamptz END
-FROM changed WHERE c.id = changed.id
-"""
-
-
 def note_waiting(waiting: list[int], now) -> None:
     """Start the clocks of these clusters (able to start, unplaced) where not running, and
     stop every other one: one statement, whatever the number of clusters."""
     with connection.cursor() as cursor:
-        cursor.execute(NOTE_WAITING_SQL, {"waiting": int_array(waiting), "now": now})
-
-
-def seat_reserved_sql(kind: str) -> str:
-    """SQL: the worker row w holds a seat of `kind` in the active reservation (the single path
-    gives such a worker no job of that kind: workers.assignment.request_job)."""
-    return f"""EXISTS (SELECT 1 FROM reservation_seat s
-                   JOIN cluster_reservation r ON r.id = s.reservation_id
-                   WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)"""
+        cursor.execute(statements.NOTE_WAITING_SQL, {"waiting": int_array(waiting), "now": now})
 
 
 def active_reservation() -> ClusterReservation | None:

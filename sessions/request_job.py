@@ -2,7 +2,7 @@
 job of it assigned, or an idle slot recorded and the dispatch pass woken."""
 
 from clusters.head import member_head_parts
-from clusters.reservation import seat_reserved_sql
+from clusters.statements import seat_reserved_sql
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers

@@ -6,7 +6,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from clusters.asking import ASK_SEATS_SQL
+from clusters.statements import ASK_SEATS_SQL
 from gradient.postgresql.arrays import int_array, text_array
 from gradient.wire.protocol import Score
 from tests.concurrency import race
