@@ -250,8 +250,8 @@ def time_target() -> float:
     every connected worker, busy or idle."""
     from django.utils import timezone
 
+    from clusters.book import startable_clusters
     from clusters.reservation import first_target
-    from clusters.tracking import startable_clusters
 
     now = timezone.now()
     book = startable_clusters(now)
@@ -265,8 +265,8 @@ def bench_pass(grid: list[tuple[int, int, int]], repeat: int) -> list[dict]:
     from gradient import heap
 
     common.in_memory_layer()
-    # As a Celery pool process runs the pass (clusters.tasks.settle_heap).
-    heap.settle()
+    # As a Celery pool process runs the pass (clusters.tasks.tune_heap).
+    heap.tune()
     rows = []
     for clusters, workers, history in grid:
         common.ensure_database()

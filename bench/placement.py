@@ -295,7 +295,7 @@ def tick(run: Run, fleet: Fleet, queue: Queue, running: Running, measuring: bool
     from django.utils import timezone
 
     from clusters import dispatch, reservation
-    from clusters.tracking import startable_clusters
+    from clusters.book import startable_clusters
 
     asking = fleet.stale()
     for worker_id, kinds in running.finish_due(run.ticks).items():

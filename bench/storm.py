@@ -56,7 +56,7 @@ async def storm(names, procs: common.Processes, restarts: int) -> dict:
 
     config = WorkerConfig()  # the reference worker as it ships: backoff 0.1 s doubling to 2 s
     fleet = Fleet([(n, common.token(n), config) for n in names], url=procs.url, ramp_secs=0)
-    heap.settle()  # as simulate_workers does: the fleet shares the cores with the stack
+    heap.tune()  # as simulate_workers does: the fleet shares the cores with the stack
     began = time.time()
     running = asyncio.create_task(fleet.run())
     out = {"restarts": []}

@@ -247,7 +247,7 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         await w.run()
 
     # The fleet's process shares the cores with the stack: its collector set as the stack's.
-    heap.settle()
+    heap.tune()
     tasks = [asyncio.create_task(launch(i, w)) for i, w in enumerate(workers)]
     lag = asyncio.create_task(watch_lag(tally))
     feeding = threading.Thread(target=feeder.run, name="feeder")

@@ -33,8 +33,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from clusters import planner
-from clusters.tracking import StartableCluster
+from clusters import planner, statements
+from clusters.book import StartableCluster
 from gradient.postgresql.arrays import int_array, text_array
 from gradient.wire.groups import send_frames
 from workers.head import window
@@ -43,44 +43,6 @@ from workers.offers import RenderedOffer
 
 def score_wait() -> timedelta:
     return timedelta(milliseconds=settings.GRADIENT["SCORE_WAIT_MS"])
-
-
-# The workers offered each member of the clusters offered lately that have not scored it
-# yet, from idx-job_score-job-size (a row without a size is an unanswered offer). Which of
-# them are idle is for the caller: as a second array in the index condition, the prepared
-# statement's generic plan would probe the index once per (member, idle worker).
-UNANSWERED_SQL = """
-SELECT s.job_id, array_agg(s.worker_id) FROM job_score s
-WHERE s.job_id = ANY(%(keys)s::text[]) AND s.missing_nar_size IS NULL
-  AND s.offered_at > %(since)s
-GROUP BY s.job_id
-"""
-
-# Of the candidate seats of each member (a bounded list, in the order they are to be asked),
-# the first `per_member` that were never offered that member on their connections, offered
-# now: one statement per cluster, whatever the size of the idle fleet.
-OFFER_SQL = """
-WITH unasked AS (
-    SELECT p.worker_id, p.job_id,
-           row_number() OVER (PARTITION BY p.job_id ORDER BY p.turn) AS n
-    FROM unnest(%(workers)s::bigint[], %(keys)s::text[], %(turns)s::int[])
-         AS p(worker_id, job_id, turn)
-    WHERE NOT EXISTS (SELECT 1 FROM job_score s
-                      WHERE s.worker_id = p.worker_id AND s.job_id = p.job_id)
-), fresh AS (
-    INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT u.worker_id, u.job_id, %(now)s FROM unasked u
-    WHERE u.n <= %(per_member)s
-    ORDER BY u.worker_id, u.job_id  -- the sessions' order (workers.offers): no deadlock
-    ON CONFLICT (worker_id, job_id) DO NOTHING
-    RETURNING worker_id, job_id
-)
-SELECT worker_id, array_agg(job_id) FROM fresh GROUP BY worker_id
-"""
-
-MARK_SQL = """
-UPDATE cluster_job SET offered_at = %(now)s WHERE id = ANY(%(clusters)s::bigint[])
-"""
 
 
 class Asking:
@@ -207,7 +169,9 @@ class Asking:
             # would otherwise spend its seats' score wait before they were asked.
             sent = timezone.now()
             with connection.cursor() as cursor:
-                cursor.execute(MARK_SQL, {"now": sent, "clusters": int_array(self.rounds)})
+                cursor.execute(
+                    statements.MARK_SQL, {"now": sent, "clusters": int_array(self.rounds)}
+                )
             self.rounds.clear()
             if self.due is not None:
                 # The pass for the held clusters comes as late as their offers left: earlier,
@@ -234,7 +198,7 @@ class Asking:
             return set(), set()
         members, silent = set(), set()
         with connection.cursor() as cursor:
-            cursor.execute(UNANSWERED_SQL, {"keys": text_array(keys), "since": since})
+            cursor.execute(statements.UNANSWERED_SQL, {"keys": text_array(keys), "since": since})
             for key, offered in cursor.fetchall():
                 waited = idle.intersection(offered)
                 if waited:
@@ -270,7 +234,7 @@ class Asking:
             return []
         with connection.cursor() as cursor:
             cursor.execute(
-                OFFER_SQL,
+                statements.ASK_SEATS_SQL,
                 {
                     "now": self.now,
                     "workers": int_array(workers),

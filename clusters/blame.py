@@ -15,9 +15,10 @@ from datetime import datetime
 from django.db import connection
 from django.utils import timezone
 
+from clusters import statements
 from clusters.verdict import LOST
 from gradient.logs import ids
-from workers.health import COUNT_BLAMED_SQL, quarantine_counted
+from workers.health import quarantine_counted
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +46,13 @@ class Blame:
     seat: uuid.UUID | None = None
 
 
-BLAME_SQL = (
-    """
-WITH blamed AS (
-    UPDATE dispatched_job SET blame = %(how)s
-    WHERE cluster_attempt_id = %(attempt)s AND blame IS NULL
-      AND CASE WHEN %(seat)s::uuid IS NULL THEN accepted_at IS NULL
-               ELSE id = %(seat)s::uuid END
-    RETURNING worker_id
-)"""
-    + COUNT_BLAMED_SQL
-)
-
-
 def blame_seats(attempt_id, blame: Blame, now: datetime | None = None) -> list[int]:
     """Blame the seat(s) that ended the attempt, inside the transaction that closed it, and
     count it against their workers, in one statement; the workers this quarantined."""
     now = now or timezone.now()
     params = {"how": blame.how, "attempt": attempt_id, "seat": blame.seat, "now": now}
     with connection.cursor() as cursor:
-        cursor.execute(BLAME_SQL, params)
+        cursor.execute(statements.BLAME_SQL, params)
         counted = cursor.fetchall()
     quarantined = quarantine_counted(counted, blame.how, now)
     if quarantined:

@@ -1,5 +1,5 @@
 """The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
-(clusters.coordinator.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
+(clusters.statements.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
 
 Lock order, so that two of these never wait on each other in a circle: an existing attempt
 first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
@@ -24,6 +24,7 @@ from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
+from clusters import statements
 from clusters.blame import Blame, blame_seats
 from clusters.models import (
     ATTEMPT_MACHINE,
@@ -31,25 +32,19 @@ from clusters.models import (
     CLUSTER_MACHINE,
     AttemptOutcome,
 )
-from gradient.jobs.claim import (
-    ATTEMPT_OPENED,
-    CLAIM_ROWS,
-    CLAIM_SQL,
-    START_CONDITION,
-    Assignment,
-    claim_params,
-)
+from gradient.jobs.claim import Assignment, claim_params
 from gradient.jobs.models import (
     BUILD_MACHINE,
     DISPATCHED_MACHINE,
     BuildStatus,
+    DispatchedJob,
     DispatchedOutcome,
     EvaluationStatus,
     JobKind,
 )
 from gradient.jobs.transitions import advance_builds, advance_evaluations
+from gradient.postgresql.arrays import text_array
 from gradient.postgresql.pipeline import send
-from workers.health import quarantined_sql
 
 log = logging.getLogger(__name__)
 
@@ -72,74 +67,13 @@ class _Lost(Exception):
     or changed since the filter read it): the whole transaction rolls back."""
 
 
-# Bounds the transaction's lock waits to GRADIENT_CLAIM_LOCK_TIMEOUT_MS: a frozen rival holding
-# a row lock costs a claim or a close a bounded wait, not a hang. An expression, so that a
-# statement may set it only where its WHERE says; its parameter is lock_timeout_params().
-SET_LOCK_TIMEOUT = "set_config('lock_timeout', %(lock_timeout)s, true)"
-BOUND_LOCK_WAITS_SQL = f"SELECT {SET_LOCK_TIMEOUT}"
-
-
 def lock_timeout_params() -> dict:
     return {"lock_timeout": str(int(settings.GRADIENT["CLAIM_LOCK_TIMEOUT_MS"]))}
 
 
 def bound_lock_waits() -> None:
     with connection.cursor() as cursor:
-        cursor.execute(BOUND_LOCK_WAITS_SQL, lock_timeout_params())
-
-
-# The claim's steps, one statement each, for one cluster or a batch of them alike, sent
-# together (one round trip, then the commit). The attempts step writes only the attempts of
-# claims that can win: every seat live (idle since the snapshot, its worker not quarantined,
-# and locked here), the cluster Queued without an open attempt (idx-cluster_attempt-open),
-# every member's job able to start; the later steps write only under an attempt it opened,
-# so a claim that loses there writes nothing. Every seat is locked before any cluster: their
-# count is a one-time filter, evaluated before the first claim's row is read.
-OPEN_ATTEMPTS_SQL = f"""
-WITH seats AS MATERIALIZED (
-    SELECT t.cluster FROM idle_slot s
-    JOIN json_to_recordset(%(seats)s::json)
-         AS t(worker bigint, kind text, since timestamptz, cluster bigint, attempt uuid)
-      ON s.worker_id = t.worker AND s.kind = t.kind
-    JOIN worker w ON w.id = s.worker_id
-    WHERE s.recorded_at >= t.since AND NOT {quarantined_sql("w")}
-    ORDER BY s.worker_id, s.kind
-    FOR UPDATE OF s
-), live AS (
-    SELECT cluster, count(*) AS n FROM seats GROUP BY cluster
-), unstartable AS MATERIALIZED (
-    SELECT t.attempt_id FROM {CLAIM_ROWS}
-    WHERE NOT ({START_CONDITION})
-)
-INSERT INTO cluster_attempt (id, cluster_job_id, created_at)
-SELECT c.id, c.cluster, c.created_at
-FROM json_to_recordset(%(clusters)s::json)
-     AS c(id uuid, cluster bigint, created_at timestamptz, seats int)
-LEFT JOIN live ON live.cluster = c.cluster
-WHERE (SELECT count(*) FROM seats) >= 0
-  AND coalesce(live.n, 0) = c.seats
-  AND NOT EXISTS (SELECT 1 FROM unstartable u WHERE u.attempt_id = c.id)
-  AND EXISTS (SELECT 1 FROM cluster_job j
-              WHERE j.id = c.cluster AND j.status = ANY(%(claimable)s) FOR SHARE)
-ON CONFLICT (cluster_job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING cluster_job_id
-"""
-# The members: the single-assignment claim statement (CLAIM_SQL), a row per member; one that
-# inserts nothing (its job is open elsewhere) rolls the transaction back. Then the spec's
-# Assigned transition of the builds claimed under the attempts opened.
-ASSIGN_BUILDS_SQL = BUILD_MACHINE.update(
-    "assign",
-    f"id IN (SELECT t.build_id FROM {CLAIM_ROWS} WHERE {ATTEMPT_OPENED})",
-)
-# The seats of the attempts opened, taken; those of a loser stay as they were.
-TAKE_SEATS_SQL = """
-DELETE FROM idle_slot s
-USING json_to_recordset(%(seats)s::json)
-      AS t(worker bigint, kind text, cluster bigint, attempt uuid)
-WHERE s.worker_id = t.worker AND s.kind = t.kind
-  AND t.attempt IN (SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[]))
-RETURNING t.cluster
-"""
+        cursor.execute(statements.BOUND_LOCK_WAITS_SQL, lock_timeout_params())
 
 
 def _claim(claims: list[ClusterClaim]) -> set[int]:
@@ -178,16 +112,17 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
         "claimable": sorted(CLUSTER_CLAIMABLE),
         "now": timezone.now(),  # a seat's worker quarantined since the snapshot is no seat
         **claim_params(members),
+        "attempts": text_array(sorted({m.cluster_attempt_id.hex for m in members})),
         **BUILD_MACHINE.bind("assign", BuildStatus.BUILDING),
         **lock_timeout_params(),
     }
     with transaction.atomic(durable=True):
         with connection.wrap_database_errors, connection.connection.pipeline():
-            send(BOUND_LOCK_WAITS_SQL, params)
-            opened = send(OPEN_ATTEMPTS_SQL, params)
-            claimed = send(CLAIM_SQL, params)
-            assigned = send(ASSIGN_BUILDS_SQL, params)
-            taken = send(TAKE_SEATS_SQL, params)
+            send(statements.BOUND_LOCK_WAITS_SQL, params)
+            opened = send(statements.OPEN_ATTEMPTS_SQL, params)
+            claimed = send(statements.CLAIM_MEMBERS_SQL, params)
+            assigned = send(statements.ASSIGN_BUILDS_SQL, params)
+            taken = send(statements.TAKE_SEATS_SQL, params)
         won = {row[0] for row in opened.fetchall()}
         works = dict(claimed.fetchall())  # job key -> its work, for each member claimed
         builds = {row[0] for row in assigned.fetchall()}
@@ -261,39 +196,6 @@ def _disjoint(claims: list[ClusterClaim]) -> bool:
     return all(len(set(xs)) == len(xs) for xs in (clusters, keys, seats))
 
 
-def _close_sql(moves_cluster: bool) -> str:
-    """The spec's Close, one statement of three guarded writes: the attempt closes with its
-    outcome only from a state its machine allows (PrepareFailed only before the start), and
-    only then are its open member rows abandoned and, when asked, its cluster moved, in the
-    lock order above (the attempt, its rows, its cluster: the sub-statements of a WITH run in
-    no set order, so the cluster's reads the count of the abandoned rows). Asked to move the
-    cluster, the attempt closes only if its cluster may make that move."""
-    movable = (
-        " AND EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = cluster_attempt.cluster_job_id"
-        f" AND {CLUSTER_MACHINE.guard('c', 'cluster_from')})"
-    )
-    closed = ATTEMPT_MACHINE.update(
-        "close",
-        "id = %(attempt)s" + (movable if moves_cluster else ""),
-        returning="id, cluster_job_id",
-    )
-    abandoned = DISPATCHED_MACHINE.update(
-        "abandon", "cluster_attempt_id = (SELECT id FROM closed)", returning="1"
-    )
-    cluster = CLUSTER_MACHINE.update(
-        "cluster",
-        "id = (SELECT cluster_job_id FROM closed) AND (SELECT count(*) FROM abandoned) >= 0",
-    )
-    moved = f", cluster AS ({cluster})" if moves_cluster else ""
-    return (
-        f"WITH closed AS ({closed}), abandoned AS ({abandoned}){moved}\n"
-        "SELECT cluster_job_id FROM closed"
-    )
-
-
-CLOSE_ATTEMPT_SQL = {moves: _close_sql(moves) for moves in (False, True)}
-
-
 def close_cluster_attempt(
     attempt_id, outcome: str, now: datetime | None = None, *, cluster_status: str | None = None
 ) -> int | None:
@@ -313,19 +215,14 @@ def close_cluster_attempt(
     if cluster_status is not None:
         params.update(CLUSTER_MACHINE.bind("cluster", cluster_status, at=now))
     with connection.cursor() as cursor:
-        cursor.execute(CLOSE_ATTEMPT_SQL[cluster_status is not None], params)
+        cursor.execute(statements.CLOSE_ATTEMPT_SQL[cluster_status is not None], params)
         row = cursor.fetchone()
     return None if row is None else row[0]
 
 
 def _member_jobs(attempt_id) -> tuple[list, list]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT evaluation_id, derivation_build_id FROM dispatched_job"
-            " WHERE cluster_attempt_id = %s",
-            [attempt_id],
-        )
-        rows = cursor.fetchall()
+    rows = DispatchedJob.objects.filter(cluster_attempt_id=attempt_id)
+    rows = list(rows.values_list("evaluation_id", "derivation_build_id"))
     return [e for e, _ in rows if e], [b for _, b in rows if b]
 
 

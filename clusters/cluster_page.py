@@ -10,6 +10,7 @@ from django.db.models import Case, Q, When
 from django.urls import reverse
 from django.utils import timezone
 
+from clusters.book import role_indexes
 from clusters.explain import explain
 from clusters.models import (
     AttemptOutcome,
@@ -17,7 +18,6 @@ from clusters.models import (
     ClusterJob,
     ClusterStatus,
 )
-from clusters.tracking import role_indexes
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 
 OPEN = "open"  # an attempt (or seat) not finished yet

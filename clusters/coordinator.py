@@ -13,8 +13,10 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from clusters import statements
 from clusters.blame import PREPARE_TIMEOUT, REJECTED, Blame
-from clusters.claim import SET_LOCK_TIMEOUT, fail_prepare_attempt, lock_timeout_params
+from clusters.book import role_indexes
+from clusters.claim import fail_prepare_attempt, lock_timeout_params
 from clusters.models import (
     ATTEMPT_IS_OPEN,
     ATTEMPT_MACHINE,
@@ -24,13 +26,11 @@ from clusters.models import (
     ClusterMember,
     ClusterStatus,
 )
-from clusters.tracking import ROLE_INDEX_SQL, role_indexes
 from gradient import metrics
 from gradient.errors import NotAllowed
 from gradient.jobs.models import EVALUATION_MACHINE, DispatchedJob, EvaluationStatus
 from gradient.logs import ids
 from gradient.wire.groups import send_frames
-from gradient.wire.keys import member_key_sql
 from gradient.wire.protocol import (
     AbortCluster,
     ForwardedSignal,
@@ -53,80 +53,6 @@ def _seats(attempt_id) -> list[tuple[DispatchedJob, str, int]]:
     return sorted(seats, key=lambda s: (s[1], s[2]))
 
 
-# An AssignJobResponse(accepted) in one statement, its own transaction: one round trip, the
-# last acceptance's start included. In the lock order of clusters.claim:
-# - held: the worker's open row of the job, a single's or a member's (none: NotAllowed). Lock
-#   waits are bounded as bound_lock_waits bounds them, set here before the first lock is taken
-#   (a SET LOCAL would cost a round trip of its own).
-# - attempt: the member's attempt, locked: acceptances of one attempt queue here.
-# - seats: every row of the attempt, locked to read them as last committed (not as of this
-#   statement's snapshot): of two last acceptances at once, the second sees the first.
-# - accept: the acceptance of the open member row, kept as first given.
-# - started, running, evaluating: the spec's start_cluster_attempt, once every row is accepted
-#   and open, three guarded writes: the attempt Open -> Started (while its cluster may go
-#   Running), its cluster Queued -> Running and counting it (so a failed prepare never spends
-#   the budget), the member evaluations Queued -> EvaluatingFlake (builds went Building at the
-#   claim). There is no start apart from this statement.
-# - members: once started, each member's (role, index) (clusters.tracking), for the roster.
-# A row per seat with its worker when this acceptance started the attempt, else one row.
-# Times are the database's clock as each write happens, after the locks: a time taken before
-# the statement would be older than an acceptance committed while this one waited for the
-# attempt, and the attempt would have started before that member accepted.
-_STARTED = ATTEMPT_MACHINE.update(
-    "start",
-    "id = (SELECT id FROM attempt) AND EXISTS (SELECT 1 FROM accept)"
-    " AND NOT EXISTS (SELECT 1 FROM seats"
-    " WHERE finished_at IS NOT NULL OR (accepted_at IS NULL AND NOT mine))"
-    " AND EXISTS (SELECT 1 FROM cluster_job c WHERE c.id = cluster_attempt.cluster_job_id"
-    f" AND {CLUSTER_MACHINE.guard('c', 'run_from')})",
-    to=ATTEMPT_STARTED,
-    at="clock_timestamp()",
-    returning="cluster_job_id",
-)
-_RUNNING = CLUSTER_MACHINE.update(
-    "run",
-    "id = (SELECT cluster_job_id FROM started)",
-    at="clock_timestamp()",
-    also=", attempts = attempts + 1",
-)
-_EVALUATING = EVALUATION_MACHINE.update(
-    "flake", "id = ANY(ARRAY(SELECT evaluation_id FROM seats)) AND EXISTS (SELECT 1 FROM running)"
-)
-ACCEPT_SQL = f"""
-WITH held AS (
-    SELECT cluster_attempt_id, {SET_LOCK_TIMEOUT}
-    FROM dispatched_job
-    WHERE worker_id = %(worker)s AND job_id = %(job)s AND finished_at IS NULL
-), attempt AS (
-    SELECT id FROM cluster_attempt WHERE id = (SELECT cluster_attempt_id FROM held)
-    FOR NO KEY UPDATE
-), seats AS (
-    SELECT id, job_id, worker_id, evaluation_id, accepted_at, finished_at,
-           worker_id = %(worker)s AND job_id = %(job)s AS mine
-    FROM dispatched_job WHERE cluster_attempt_id = (SELECT id FROM attempt)
-    ORDER BY id
-    FOR SHARE
-), accept AS (
-    UPDATE dispatched_job SET accepted_at = coalesce(accepted_at, clock_timestamp())
-    WHERE id = (SELECT id FROM seats WHERE mine AND finished_at IS NULL)
-    RETURNING id
-), started AS (
-{_STARTED}
-), running AS (
-{_RUNNING}
-), evaluating AS (
-{_EVALUATING}
-), members AS (
-    SELECT {member_key_sql("evaluation_id", "derivation_build_id")} AS job_id, role,
-           {ROLE_INDEX_SQL} AS index
-    FROM cluster_member WHERE cluster_job_id = (SELECT id FROM running)
-)
-SELECT h.cluster_attempt_id, EXISTS (SELECT 1 FROM accept),
-       s.worker_id, w.name, w.zone, w.endpoint, coalesce(m.role, '?'), coalesce(m.index, 0)
-FROM held h
-LEFT JOIN (seats s JOIN worker w ON w.id = s.worker_id LEFT JOIN members m ON m.job_id = s.job_id)
-  ON EXISTS (SELECT 1 FROM running)
-"""
 # The start's three moves; the evaluations only from Queued, where the claim left them.
 START_PARAMS = {
     **ATTEMPT_MACHINE.bind("start", ATTEMPT_STARTED),
@@ -148,7 +74,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
         **START_PARAMS,
     }
     with connection.cursor() as cursor:
-        cursor.execute(ACCEPT_SQL, params)
+        cursor.execute(statements.ACCEPT_SQL, params)
         rows = cursor.fetchall()
     if not rows:
         raise NotAllowed(f"{job_id} was not assigned to this worker")

@@ -19,21 +19,15 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from clusters import planner, reservation, wake
+from clusters import planner, reservation, statements, wake
 from clusters.asking import Asking
+from clusters.book import MemberRow, StartableCluster, planned_cluster, startable_clusters
 from clusters.claim import ClusterClaim, claim_clusters
 from clusters.coordinator import expire_overdue_prepares
+from clusters.fleet import fleet, planned_worker
 from clusters.models import AttemptOutcome
+from clusters.reservation import note_waiting
 from clusters.scores import CheapestScores, all_scores, own_connection
-from clusters.tracking import (
-    MemberRow,
-    StartableCluster,
-    fleet,
-    note_waiting,
-    planned_cluster,
-    planned_worker,
-    startable_clusters,
-)
 from gradient import metrics
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.steps import MEMBER_STEPS
@@ -60,21 +54,6 @@ class PassResult:
     reservation: str | None = None
 
 
-# The workers that did not accept in any of each cluster's failed prepares since its last
-# attempt that started (planner.Cluster.avoid). Not the last prepare's alone: with two workers
-# that never answer, the cluster went back and forth between them, one timeout after another.
-UNRESPONSIVE_SQL = """
-SELECT a.cluster_job_id, array_agg(DISTINCT d.worker_id)
-FROM cluster_attempt a
-JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.accepted_at IS NULL
-WHERE a.cluster_job_id = ANY(%(clusters)s) AND a.outcome = %(prepare_failed)s
-  AND a.created_at > COALESCE((SELECT max(s.created_at) FROM cluster_attempt s
-                               WHERE s.cluster_job_id = a.cluster_job_id
-                                 AND s.started_at IS NOT NULL), '-infinity')
-GROUP BY a.cluster_job_id
-"""
-
-
 def snapshot(
     clusters: list[StartableCluster], now, reserved=(), *, stream: bool = False
 ) -> planner.Snapshot:
@@ -88,7 +67,7 @@ def snapshot(
     if idle and clusters:
         with connection.cursor() as cursor:
             cursor.execute(
-                UNRESPONSIVE_SQL,
+                statements.UNRESPONSIVE_SQL,
                 {
                     "clusters": [c.id for c in clusters],
                     "prepare_failed": AttemptOutcome.PREPARE_FAILED.value,

@@ -1,7 +1,7 @@
 """explain_cluster: why a cluster waits.
 
 Either it is not waiting for seats at all (not Queued, or Queued but kept out of the cluster
-book by tracking), or it is in the book and explain() says, per member, which connected
+book), or it is in the book and explain() says, per member, which connected
 workers could seat it now and why each other one cannot. Who may seat whom, the zones and their
 order, and whether the members fit on workers of their own are the planner's own answers
 (planner.eligible, zones, match, seat_reason), so this never disagrees with a dispatch pass.
@@ -17,6 +17,8 @@ from django.db import connection
 from django.utils import timezone
 
 from clusters import planner, reservation
+from clusters.book import role_indexes
+from clusters.fleet import planned_worker
 from clusters.history import iso_utc
 from clusters.models import (
     ATTEMPT_IS_OPEN,
@@ -26,7 +28,7 @@ from clusters.models import (
     backoff_since,
     retry_backoff,
 )
-from clusters.tracking import STARTABLE_SQL, planned_worker, role_indexes
+from clusters.statements import STARTABLE_SQL
 from gradient.jobs.models import DispatchedJob
 from workers.health import is_quarantined
 from workers.models import Worker, idle_slot_fresh_since
@@ -52,7 +54,7 @@ def explain(cluster_id: int, now=None, reserved: dict[int, int] | None = None) -
     return {**head, "waiting": True, **_seating(cluster, members, now, reserved)}
 
 
-# Not in the book: tracking's reasons, in its order.
+# Not in the book: the book's reasons (clusters.statements.STARTABLE_SQL), in its order.
 
 
 def _kept_out(cluster: ClusterJob, members: list, now) -> list[str]:

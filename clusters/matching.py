@@ -149,7 +149,7 @@ def cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int
 def solve(cost: np.ndarray) -> np.ndarray | None:
     """The column of each row in a minimum-cost full matching, or None if there is none."""
     # Imported here: scipy.optimize takes about a second to import, and every daphne imports
-    # this module (through clusters.tracking) without ever solving; a restarted daphne must
+    # this module (through clusters.book) without ever solving; a restarted daphne must
     # listen again as soon as it can.
     from scipy.optimize import linear_sum_assignment
 

@@ -170,7 +170,7 @@ class ClusterJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # The aging reservation's clock: since when the dispatch pass has seen the cluster able to
-    # start and unplaced (clusters.tracking.note_waiting); NULL otherwise. Such a cluster's
+    # start and unplaced (clusters.reservation.note_waiting); NULL otherwise. Such a cluster's
     # members are at the head of the queue (workers.head).
     waiting_since = models.DateTimeField(null=True, blank=True, editable=False)
     # Placed before other clusters: set at submission when any member job is prioritized.
@@ -187,7 +187,7 @@ class ClusterJob(models.Model):
         db_table = "cluster_job"
         triggers = [CLUSTER_JOB_ACTIVE]
         indexes = [
-            # The cluster book (tracking) selects Queued clusters, oldest first.
+            # The cluster book (clusters.book) selects Queued clusters, oldest first.
             models.Index(fields=["status", "created_at"], name="idx-cluster_job-status"),
             # The members' part of the head of the queue walks the waiting clusters in the
             # planner's order (per project for a worker limited to some); the pass clears the

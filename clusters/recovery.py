@@ -15,13 +15,12 @@ from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from clusters import statements
 from clusters.claim import bound_lock_waits
 from clusters.coordinator import expire_overdue_prepares
 from clusters.models import (
-    ATTEMPT_IS_OPEN_SQL,
     ClusterJob,
     ClusterStatus,
-    no_open_attempt_sql,
     open_attempts,
 )
 from clusters.settlement import MEMBER_STATUSES, Member, member_report, resolve_attempt, settle
@@ -33,32 +32,9 @@ from gradient.jobs.models import (
     DispatchedJob,
     DispatchedOutcome,
 )
-from gradient.wire.keys import member_key_sql
 from workers.liveness import silent_before
 
 log = logging.getLogger(__name__)
-
-
-MEMBER_KEY = member_key_sql("m.evaluation_id", "m.derivation_build_id")
-# Each open started attempt's members are aggregated in a subquery of their own, which
-# PostgreSQL cannot flatten: joined flat, it hash-joined every member of the history kept.
-STARTED_WITH_LOST_OR_DEAD_SQL = f"""
-SELECT a.id, s.dead, s.lost
-FROM cluster_attempt a
-CROSS JOIN LATERAL (
-    SELECT bool_or(e.status = ANY(%(dead_evals)s) OR b.status = ANY(%(dead_builds)s)) AS dead,
-           bool_or(d.id IS NULL OR w.channel_name IS NULL OR w.last_seen_at < %(silent)s)
-               AS lost
-    FROM cluster_member m
-    LEFT JOIN evaluation e ON e.id = m.evaluation_id
-    LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-    LEFT JOIN dispatched_job d ON d.cluster_attempt_id = a.id AND d.finished_at IS NULL
-        AND d.job_id = {MEMBER_KEY}
-    LEFT JOIN worker w ON w.id = d.worker_id
-    WHERE m.cluster_job_id = a.cluster_job_id
-) s
-WHERE {ATTEMPT_IS_OPEN_SQL} AND a.started_at IS NOT NULL
-"""
 
 
 def resolve_orphaned_attempts(now=None) -> list:
@@ -70,7 +46,7 @@ def resolve_orphaned_attempts(now=None) -> list:
     silent = silent_before(now)
     with connection.cursor() as cursor:
         cursor.execute(
-            STARTED_WITH_LOST_OR_DEAD_SQL,
+            statements.STARTED_WITH_LOST_OR_DEAD_SQL,
             {
                 "dead_evals": sorted(EVALUATION_TERMINAL),
                 "dead_builds": sorted(BUILD_TERMINAL),
@@ -105,28 +81,6 @@ def _report_silent_members(attempt_id, silent) -> bool:
     return decided
 
 
-# A cluster's members as the verdict reads a lost one, the cluster locked; no rows once it
-# has an open attempt or is no longer Running.
-STRANDED_MEMBERS_SQL = f"""
-WITH c AS (
-    SELECT id, attempts, retry_budget FROM cluster_job
-    WHERE id = %(cluster)s AND status = %(running)s
-      AND {no_open_attempt_sql("%(cluster)s")}
-    FOR UPDATE
-)
-SELECT c.attempts, c.retry_budget,
-       {MEMBER_KEY},
-       m.evaluation_id, m.derivation_build_id, m."primary",
-       coalesce(e.status, b.status) = ANY(%(dead)s),
-       coalesce(e.status, b.status) = ANY(%(aborted)s)
-FROM c
-LEFT JOIN cluster_member m ON m.cluster_job_id = c.id
-LEFT JOIN evaluation e ON e.id = m.evaluation_id
-LEFT JOIN derivation_build b ON b.id = m.derivation_build_id
-ORDER BY 3
-"""
-
-
 def settle_running_without_attempt() -> list:
     """A Running cluster always has a started, open attempt. One without it (a crash between
     processes' steps) lost every member without a verdict: each reports as lost, and the
@@ -144,7 +98,7 @@ def settle_running_without_attempt() -> list:
                     "running": ClusterStatus.RUNNING,
                     **MEMBER_STATUSES,
                 }
-                cursor.execute(STRANDED_MEMBERS_SQL, params)
+                cursor.execute(statements.STRANDED_MEMBERS_SQL, params)
                 rows = cursor.fetchall()
             if not rows:
                 continue  # claimed or settled meanwhile

@@ -7,7 +7,7 @@ sees it and a restart keeps it. Reserved workers keep their running jobs but get
 job of the reserved kind; once every seat is idle, the reservation commits like an ordinary
 placement. It is released after GRADIENT_CLUSTER_RESERVE_TIMEOUT_SECS, when a seat's worker
 disconnects or is quarantined, or when the cluster leaves the queue; the next pass can then
-reserve again.
+reserve again. The aging clock, cluster_job.waiting_since, is kept here too (note_waiting).
 """
 
 import logging
@@ -16,11 +16,13 @@ from datetime import timedelta
 
 import numpy as np
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from clusters import planner
+from clusters import planner, statements
+from clusters.book import StartableCluster, planned_cluster
+from clusters.fleet import fleet, planned_worker
 from clusters.models import (
     ClusterJob,
     ClusterReservation,
@@ -28,12 +30,19 @@ from clusters.models import (
     ReservationSeat,
     open_attempts,
 )
-from clusters.tracking import StartableCluster, fleet, planned_cluster, planned_worker
 from gradient.logs import ids
+from gradient.postgresql.arrays import int_array
 from workers.health import quarantined_q
 from workers.models import IdleSlot, JobScore, Worker, idle_slot_fresh_since
 
 log = logging.getLogger(__name__)
+
+
+def note_waiting(waiting: list[int], now) -> None:
+    """Start the clocks of these clusters (able to start, unplaced) where not running, and
+    stop every other one: one statement, whatever the number of clusters."""
+    with connection.cursor() as cursor:
+        cursor.execute(statements.NOTE_WAITING_SQL, {"waiting": int_array(waiting), "now": now})
 
 
 def active_reservation() -> ClusterReservation | None:

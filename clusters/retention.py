@@ -20,33 +20,12 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from clusters.models import CLUSTER_TERMINAL, no_open_attempt_sql
+from clusters import statements
+from clusters.models import CLUSTER_TERMINAL
 from gradient import metrics
 
 PASS_LOCK = 0x6772_6164_7265  # advisory lock key of the retention pass
 BATCH = 1_000
-
-# Ordered by id and resumed after the last batch, so each batch reads only rows not yet seen.
-EXPIRED_SQL = f"""
-SELECT c.id FROM cluster_job c
-WHERE c.id > %(after)s
-  AND c.status = ANY(%(finished)s)
-  AND (c.updated_at < %(cutoff)s
-       OR NOT EXISTS (SELECT 1 FROM cluster_member m WHERE m.cluster_job_id = c.id))
-  AND {no_open_attempt_sql("c.id")}
-ORDER BY c.id
-LIMIT %(batch)s
-FOR UPDATE OF c SKIP LOCKED
-"""
-
-
-# The batch's member rows lose their attempt and the output kept with them, in one write of
-# each row: the attempts' ON DELETE SET NULL then finds none left to write.
-FORGET_OUTPUT_SQL = """
-UPDATE dispatched_job d SET cluster_attempt_id = NULL, error = NULL, log_tail = NULL
-FROM cluster_attempt a
-WHERE a.cluster_job_id = ANY(%s) AND d.cluster_attempt_id = a.id
-"""
 
 
 def try_lock(cursor) -> bool:
@@ -70,12 +49,12 @@ def run_retention(batch: int = BATCH) -> int:
         with transaction.atomic(), connection.cursor() as cursor:
             if not try_lock(cursor):
                 return deleted  # another pass is at it
-            cursor.execute(EXPIRED_SQL, params)
+            cursor.execute(statements.EXPIRED_SQL, params)
             ids = [row[0] for row in cursor.fetchall()]
             if not ids:
                 return deleted
             metrics.tally_deleted(ids)
-            cursor.execute(FORGET_OUTPUT_SQL, [ids])
+            cursor.execute(statements.FORGET_OUTPUT_SQL, [ids])
             cursor.execute("DELETE FROM cluster_job WHERE id = ANY(%s)", [ids])
             deleted += cursor.rowcount
         if len(ids) < batch:

@@ -16,42 +16,8 @@ from itertools import pairwise
 import numpy as np
 from django.db import close_old_connections, connection
 
+from clusters import statements
 from gradient.postgresql.arrays import int_array, text_array
-
-# Each member job's cheapest answered scores (at most %(limit)s; one more tells that there are
-# more) in the order of idx-job_score-job-size, (size, worker id), packed as big-endian int64
-# pairs: an index-only scan of a few hundred entries per job instead of every score. The
-# planner reads the rest of a job only when too few of its cheapest are left to decide
-# (load_scores). Scores of workers without an idle slot come along and are dropped by the
-# planner: filtering on the idle ones here costs more than it saves, though in a fleet where
-# most workers are busy it makes the planner read more jobs in full.
-CHEAPEST_SCORES_SQL = """
-SELECT k.key, top.packed, top.n
-FROM unnest(%(keys)s::text[]) AS k(key)
-CROSS JOIN LATERAL (
-    SELECT string_agg(int8send(c.worker_id) || int8send(c.missing_nar_size), ''::bytea)
-               AS packed,
-           count(*) AS n
-    FROM (SELECT s.worker_id, s.missing_nar_size FROM job_score s
-          WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
-          ORDER BY s.missing_nar_size, s.worker_id
-          LIMIT %(limit)s + 1) c
-) top
-WHERE top.n > 0
-"""
-
-# Every answered score of some jobs (the planner drops those of workers it does not know),
-# each job's from the index alone. No filter on the idle workers: binding thousands of ids
-# costs more per query than the few extra rows do.
-ALL_SCORES_SQL = """
-SELECT k.key, top.packed
-FROM unnest(%(keys)s::text[]) AS k(key)
-CROSS JOIN LATERAL (
-    SELECT string_agg(int8send(s.worker_id) || int8send(s.missing_nar_size), ''::bytea) AS packed
-    FROM job_score s WHERE s.job_id = k.key AND s.missing_nar_size IS NOT NULL
-) top
-WHERE top.packed IS NOT NULL
-"""
 
 # How many of each job's cheapest scores a pass reads up front. A member needs k free seats
 # of its own per zone among them; fewer, and the planner reads that job's other scores.
@@ -86,18 +52,6 @@ def _read_lists(sql: str, params: dict) -> dict[str, tuple[np.ndarray, np.ndarra
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
 
 
-# Some jobs' answered scores from some workers: a probe of the key's index per pair, cheaper
-# than a job's full list while the workers are few (late in a pass, when most are taken).
-SCORES_ON_SQL = """
-SELECT s.job_id, string_agg(int8send(s.worker_id) || int8send(s.missing_nar_size), ''::bytea
-                            ORDER BY s.missing_nar_size, s.worker_id)
-FROM unnest(%(workers)s::bigint[]) AS w(id)
-CROSS JOIN unnest(%(keys)s::text[]) AS k(key)
-JOIN job_score s ON s.worker_id = w.id AND s.job_id = k.key
-WHERE s.missing_nar_size IS NOT NULL
-GROUP BY s.job_id
-"""
-
 # Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists
 # (a few hundred to thousands of entries each), which cost less once the pairs are many
 # (docs/design.md has the timings).
@@ -109,17 +63,8 @@ def all_scores(keys: list[str], worker_ids=None) -> dict[str, tuple[np.ndarray, 
     many, others come along), sorted like their cheapest: by (size, worker id)."""
     if worker_ids is not None and len(worker_ids) <= PROBED_WORKERS:
         params = {"keys": text_array(keys), "workers": int_array(worker_ids)}
-        return _read_lists(SCORES_ON_SQL, params)
-    return _read_lists(ALL_SCORES_SQL, {"keys": text_array(keys)})
-
-
-# The score of each pinned member's job on its pin's worker, packed as CHEAPEST_SCORES_SQL's.
-PIN_SCORES_SQL = """
-SELECT s.job_id, int8send(s.worker_id) || int8send(s.missing_nar_size)
-FROM unnest(%(keys)s::text[], %(workers)s::bigint[]) AS p(key, worker_id)
-JOIN job_score s ON s.job_id = p.key AND s.worker_id = p.worker_id
-WHERE s.missing_nar_size IS NOT NULL
-"""
+        return _read_lists(statements.SCORES_ON_SQL, params)
+    return _read_lists(statements.ALL_SCORES_SQL, {"keys": text_array(keys)})
 
 
 def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -128,7 +73,7 @@ def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np
     if not asked:
         return {}
     params = {"keys": text_array(list(asked)), "workers": int_array(list(asked.values()))}
-    return _read_lists(PIN_SCORES_SQL, params)
+    return _read_lists(statements.PIN_SCORES_SQL, params)
 
 
 @contextmanager
@@ -217,7 +162,8 @@ class CheapestScores(Mapping):
                     rows = []
                     if keys:  # (a chunk may hold pinned members' keys only)
                         cursor.execute(
-                            CHEAPEST_SCORES_SQL, {"keys": text_array(keys), "limit": CHEAPEST}
+                            statements.CHEAPEST_SCORES_SQL,
+                            {"keys": text_array(keys), "limit": CHEAPEST},
                         )
                         rows = cursor.fetchall()
                     lists = _unpack_all([packed for _, packed, _ in rows])

@@ -17,16 +17,16 @@ from datetime import datetime
 from django.db import connection, transaction
 from django.utils import timezone
 
+from clusters import statements
 from clusters.blame import Blame, blame_for, blame_seats
 from clusters.claim import (
     RELEASED_FROM,
-    SET_LOCK_TIMEOUT,
     bound_lock_waits,
     close_cluster_attempt,
     lock_timeout_params,
 )
 from clusters.coordinator import abort_prepare, notify_abort
-from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterStatus
+from clusters.models import CLUSTER_MACHINE, AttemptOutcome, ClusterAttempt, ClusterStatus
 from clusters.verdict import (
     LOST,
     MemberState,
@@ -43,6 +43,7 @@ from gradient.jobs.models import (
     EVALUATION_TERMINAL,
     JOB_MACHINES,
     BuildStatus,
+    DispatchedJob,
     DispatchedOutcome,
     EvaluationStatus,
     JobKind,
@@ -50,7 +51,7 @@ from gradient.jobs.models import (
 from gradient.jobs.transitions import move
 from gradient.logs import ids
 from gradient.postgresql.pipeline import send
-from workers.health import COUNT_SUCCESS_SQL
+from workers.statements import COUNT_SUCCESS_SQL
 
 log = logging.getLogger(__name__)
 
@@ -66,62 +67,6 @@ CLUSTER_STATUS = {
     Verdict.FAIL: ClusterStatus.FAILED,
     Verdict.ABORT: ClusterStatus.ABORTED,
 }
-# Every member row of an attempt with what the verdict reads (its state: key, primary,
-# outcome, failure kind, dead: its job final or gone, aborted: its job Aborted) and the
-# attempt and cluster it belongs to, in job-key order. {attempt} is the attempt's id, or
-# REPORTED_ATTEMPT.
-MEMBERS_SQL = """
-SELECT a.id, a.cluster_job_id, a.started_at IS NOT NULL, a.finished_at IS NOT NULL,
-       c.attempts, c.retry_budget,
-       d.id, d.job_id, d.worker_id, d.evaluation_id, d.derivation_build_id, d.finished_at,
-       d.outcome, d.failure_kind,
-       EXISTS (SELECT 1 FROM cluster_member m
-               WHERE m.cluster_job_id = a.cluster_job_id AND m."primary"
-                 AND (m.evaluation_id = d.evaluation_id
-                      OR m.derivation_build_id = d.derivation_build_id)),
-       coalesce(coalesce(e.status, b.status) = ANY(%(dead)s), true),
-       coalesce(coalesce(e.status, b.status) = ANY(%(aborted)s), false)
-FROM cluster_attempt a
-JOIN cluster_job c ON c.id = a.cluster_job_id
-JOIN dispatched_job d ON d.cluster_attempt_id = a.id
-LEFT JOIN evaluation e ON e.id = d.evaluation_id
-LEFT JOIN derivation_build b ON b.id = d.derivation_build_id
-WHERE a.id = {attempt}
-ORDER BY d.job_id
-"""
-ATTEMPT_MEMBERS_SQL = MEMBERS_SQL.format(attempt="%(attempt)s")
-
-# A member's report opens its transaction with these four statements (a fifth for a success:
-# workers.health.COUNT_SUCCESS_SQL), sent together (a psycopg pipeline: one round trip). Each
-# runs on a snapshot taken when it starts, so the ones after the lock see every report
-# committed before it.
-# The reporting row's attempt: the row is this worker's, of this job, under this id.
-REPORTED_ATTEMPT = """(SELECT cluster_attempt_id FROM dispatched_job
-                       WHERE id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s)"""
-# bound_lock_waits, for a member's row only: an assignment that is no member's (a single's
-# JobFailed, handled in the same transaction) keeps its lock waits as they were.
-BOUND_MEMBER_LOCK_WAITS_SQL = f"""
-SELECT {SET_LOCK_TIMEOUT} WHERE {REPORTED_ATTEMPT} IS NOT NULL
-"""
-# Reports of one attempt queue on its row (resolve_attempt locks it first too).
-LOCK_ATTEMPT_SQL = f"SELECT 1 FROM cluster_attempt WHERE id = {REPORTED_ATTEMPT} FOR UPDATE"
-# The row finishes with the report if it is open (its guarded write), and a Completed only
-# once the attempt has started; the row comes back when it did.
-FINISH_SQL = DISPATCHED_MACHINE.update(
-    "finish",
-    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s"
-    " AND EXISTS (SELECT 1 FROM cluster_attempt a WHERE a.id = dispatched_job.cluster_attempt_id"
-    " AND (a.started_at IS NOT NULL OR %(finish_to)s <> %(completed)s))",
-    also=", failure_kind = %(kind)s, error = %(error)s, log_tail = %(log_tail)s",
-)
-# The verdict's input, the report included; no row for an assignment that is no member's.
-REPORTED_MEMBERS_SQL = MEMBERS_SQL.format(attempt=REPORTED_ATTEMPT)
-
-# Settling, in the lock order of clusters.claim (the attempt, locked already, then its rows,
-# its cluster, the member jobs): close_cluster_attempt (close, abandon the open rows, move the
-# cluster: one statement), then in one round trip (a pipeline) every member job's guarded
-# write, by kind, each job to its own target.
-MOVE_SQL = {kind: machine.update_each("jobs") for kind, machine in JOB_MACHINES.items()}
 
 
 # A member row's outcomes the verdict reads; Abandoned (settled, or its prepare failed) and
@@ -172,7 +117,7 @@ class Member:
 
 @dataclass(frozen=True)
 class Attempt:
-    """An attempt under its lock, with its members, as MEMBERS_SQL reads them."""
+    """An attempt under its lock, with its members, as VERDICT_INPUT_SQL reads them."""
 
     id: uuid.UUID
     cluster_id: int
@@ -243,7 +188,7 @@ def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> l
     with connection.wrap_database_errors, connection.connection.pipeline():
         for kind, moves in _job_moves(verdict, members).items():
             if moves:
-                send(MOVE_SQL[kind], JOB_MACHINES[kind].bind_each("jobs", moves))
+                send(statements.MOVE_SQL[kind], JOB_MACHINES[kind].bind_each("jobs", moves))
     log.info(
         "cluster %s decided %s (attempt %s)",
         cluster_id,
@@ -273,12 +218,12 @@ def _record_report(
         **MEMBER_STATUSES,
     }
     with connection.wrap_database_errors, connection.connection.pipeline():
-        send(BOUND_MEMBER_LOCK_WAITS_SQL, params)
-        send(LOCK_ATTEMPT_SQL, params)
-        finish = send(FINISH_SQL, params)
+        send(statements.BOUND_MEMBER_LOCK_WAITS_SQL, params)
+        send(statements.LOCK_ATTEMPT_SQL, params)
+        finish = send(statements.FINISH_REPORTED_SQL, params)
         if outcome == DispatchedOutcome.COMPLETED:
             send(COUNT_SUCCESS_SQL, params)
-        members = send(REPORTED_MEMBERS_SQL, params)
+        members = send(statements.REPORTED_MEMBERS_SQL, params)
     rows = members.fetchall()
     if not rows:
         return None
@@ -295,21 +240,13 @@ def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None
         raise NotAllowed(f"{job_id} was reported already")
 
 
-# A survivor's report comes after the verdict settled its row (it was told AbortCluster): its
-# output is what shows how it ended, kept if the row has none yet.
-KEEP_LATE_OUTPUT_SQL = """
-UPDATE dispatched_job SET error = %(error)s, log_tail = %(log_tail)s
-WHERE id = %(id)s AND error IS NULL AND log_tail IS NULL
-"""
-
-
 def keep_late_output(assignment_id, output: dict) -> None:
-    """Keep a settled row's late report's error and log tail (one statement, none when the
-    report brought neither)."""
-    if output["error"] is None and output["log_tail"] is None:
-        return
-    with connection.cursor() as cursor:
-        cursor.execute(KEEP_LATE_OUTPUT_SQL, {"id": assignment_id, **output})
+    """Keep a settled row's late report's error and log tail, if the row has none yet: a
+    survivor reports after the verdict settled its row (it was told AbortCluster), and its
+    output shows how it ended. One statement, none when the report brought neither."""
+    if output["error"] is not None or output["log_tail"] is not None:
+        late = DispatchedJob.objects.filter(pk=assignment_id, error=None, log_tail=None)
+        late.update(**output)
 
 
 def _resolve(attempt: Attempt, *, aborted: bool = False) -> tuple[Verdict | None, list[int]]:
@@ -380,14 +317,13 @@ def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdic
     tells the survivors when there is a verdict; None when there is none, or it was closed."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
+        attempts = ClusterAttempt.objects.select_for_update()
+        if not attempts.filter(pk=attempt_id, finished_at=None).exists():
+            return None
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT 1 FROM cluster_attempt WHERE id = %s AND finished_at IS NULL FOR UPDATE",
-                [attempt_id],
+                statements.ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, **MEMBER_STATUSES}
             )
-            if cursor.fetchone() is None:
-                return None
-            cursor.execute(ATTEMPT_MEMBERS_SQL, {"attempt": attempt_id, **MEMBER_STATUSES})
             attempt = Attempt.from_rows(cursor.fetchall())
         verdict, survivors = _resolve(attempt, aborted=aborted)
     if verdict is not None:

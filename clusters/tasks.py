@@ -52,9 +52,9 @@ def load_solver(**_):
 
 
 @worker_process_init.connect
-def settle_heap(**_):
+def tune_heap(**_):
     # Each pool process, once forked with the tasks' modules loaded.
-    heap.settle()
+    heap.tune()
 
 
 @worker_process_shutdown.connect

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from clusters.models import ClusterStatus, no_open_attempt_sql
+from clusters import statements
 from gradient.celery import app
 
 log = logging.getLogger(__name__)
@@ -26,21 +26,10 @@ def _client():
     return _redis
 
 
-# A wake-up can place something only while a cluster waits for seats (Queued, no open attempt)
-# or a reservation waits for its seats to be idle. Otherwise idle workers asking for work would
-# keep a pass running back to back, and the one wake-up that completes a placement would
-# queue behind it.
-WAITING_SQL = f"""
-SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEUED}'
-               AND {no_open_attempt_sql("c.id")})
-    OR EXISTS (SELECT 1 FROM cluster_reservation r WHERE r.released_at IS NULL)
-"""
-
-
 def clusters_waiting() -> bool:
     try:
         with connection.cursor() as cursor:
-            cursor.execute(WAITING_SQL)
+            cursor.execute(statements.WAITING_SQL)
             return cursor.fetchone()[0]
     except DatabaseError:
         return True  # not known: a needless pass costs less than a missed one

@@ -3,9 +3,9 @@ its recent cluster seats with their blame."""
 
 from django.utils import timezone
 
+from clusters.book import role_indexes
 from clusters.history import iso_utc
 from clusters.models import ClusterMember
-from clusters.tracking import role_indexes
 from workers.health import RECENT_SEATS, on_probation, quarantine_of, seat_rows
 from workers.models import Worker
 

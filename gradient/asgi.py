@@ -50,4 +50,4 @@ application = ProtocolTypeRouter(
 )
 
 # Everything above is loaded for the life of the process.
-heap.settle()
+heap.tune()

@@ -15,7 +15,7 @@ YOUNG = 50_000  # container objects allocated (net) before a young collection; d
 OLDER = 20  # young collections before a middle one, middle ones before a full one; default 10
 
 
-def settle() -> None:
+def tune() -> None:
     """Freeze what is loaded now and space the collections out. Call once start-up is done
     (and after a fork: a frozen object is never written by the collector, so the pages a
     child shares with its parent stay shared)."""

@@ -11,6 +11,7 @@ from clusters.recovery import report_lost_members
 from gradient.jobs.models import DispatchedJob, DispatchedOutcome
 from gradient.jobs.transitions import finish_assignments
 from gradient.wire.protocol import RunningJob, WorkerCapabilities
+from sessions import statements
 from sessions.reports import release_single
 from workers.models import IdleSlot, JobScore, Worker, hash_token
 
@@ -33,10 +34,7 @@ def authenticate(token: str) -> tuple[int, str] | None:
     # Plain SQL: the ORM's compiling of this one lookup cost more than its round trip, and a
     # reconnect storm makes a thousand of them at once.
     with db_connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT id, name FROM worker WHERE token_hash = %s AND revoked_at IS NULL",
-            [hash_token(token)],
-        )
+        cursor.execute(statements.AUTHENTICATE_SQL, [hash_token(token)])
         return cursor.fetchone()
 
 
@@ -56,37 +54,11 @@ def abandon_single_assignments(worker_id: int, keep=frozenset()) -> int:
     return len(rows)
 
 
-# A session start with nothing of an earlier session to settle, in one statement (its own
-# transaction): lock the worker's row, forget its offers (offers are per connection: a
-# reconnecting worker is offered everything again) and, when a session it replaces is on
-# record, that session's idle slots; then record this session as the live one. Nothing to
-# settle: no earlier session, or one that holds no open assignment (as after a server was
-# killed with idle workers). Else no row comes back and attach() takes the long way.
-QUIET_ATTACH_SQL = """
-WITH target AS (
-    SELECT id, channel_name FROM worker WHERE id = %(worker)s FOR UPDATE
-), quiet AS (
-    SELECT t.id, t.channel_name FROM target t
-    WHERE t.channel_name IS NULL OR NOT EXISTS (
-        SELECT 1 FROM dispatched_job d WHERE d.worker_id = t.id AND d.finished_at IS NULL)
-), slots AS (
-    DELETE FROM idle_slot s USING quiet q
-    WHERE s.worker_id = q.id AND q.channel_name IS NOT NULL
-), offers AS (
-    DELETE FROM job_score s USING quiet q WHERE s.worker_id = q.id
-)
-UPDATE worker w
-SET channel_name = %(channel)s, connected_at = %(now)s, last_seen_at = %(now)s, draining = false
-FROM quiet q WHERE w.id = q.id
-RETURNING q.channel_name
-"""
-
-
 class Attached(NamedTuple):
     previous: str | None  # the channel of the session this one replaces
-    # That session left open assignments: they are settled by settle_earlier() once the
+    # That session left open assignments: they are released by release_earlier() once the
     # worker says what it still runs, or by detach() if this session ends first.
-    unsettled: bool
+    earlier_open: bool
 
 
 def attach(worker_id: int, channel_name: str) -> Attached:
@@ -94,7 +66,9 @@ def attach(worker_id: int, channel_name: str) -> Attached:
     seeing it is no longer the live one, does nothing)."""
     now = timezone.now()
     with db_connection.cursor() as cursor:
-        cursor.execute(QUIET_ATTACH_SQL, {"worker": worker_id, "channel": channel_name, "now": now})
+        cursor.execute(
+            statements.QUIET_ATTACH_SQL, {"worker": worker_id, "channel": channel_name, "now": now}
+        )
         row = cursor.fetchone()
     if row is not None:
         return Attached(row[0], False)
@@ -108,7 +82,7 @@ def attach(worker_id: int, channel_name: str) -> Attached:
     return Attached(previous, previous is not None)
 
 
-def settle_earlier(worker_id: int, running: list[RunningJob]) -> list[RunningJob]:
+def release_earlier(worker_id: int, running: list[RunningJob]) -> list[RunningJob]:
     """The earlier session's open assignments that the worker no longer runs are given up as
     at a disconnect; those it still runs stay open for their reports. Returns what it says it
     runs that is no longer open here, for the session to abort."""
@@ -136,40 +110,13 @@ def detach(worker_id: int, channel_name: str) -> bool:
     return bool(gone)
 
 
-# Liveness in one statement, every workers.liveness.touch_every() seconds of a session that
-# sends frames: the last-seen time written, and whether this session is still the worker's
-# live one with its token good.
-TOUCH_SQL = """
-WITH live AS (
-    SELECT id FROM worker
-    WHERE id = %(worker)s AND channel_name = %(channel)s AND revoked_at IS NULL
-), seen AS (
-    UPDATE worker SET last_seen_at = %(now)s WHERE id IN (SELECT id FROM live)
-)
-SELECT EXISTS (SELECT 1 FROM live)
-"""
-
-
 def touch(worker_id: int, channel_name: str) -> bool:
     """Liveness: False when this session is no longer the worker's live one or its token was
     revoked."""
     params = {"worker": worker_id, "channel": channel_name, "now": timezone.now()}
     with db_connection.cursor() as cursor:
-        cursor.execute(TOUCH_SQL, params)
+        cursor.execute(statements.TOUCH_SQL, params)
         return cursor.fetchone()[0]
-
-
-# WorkerCapabilities in one statement; the row comes back whole, for InitAck's name and the
-# offer that follows (a full read: new capabilities may change which jobs fit).
-CAPABILITIES_SQL = """
-UPDATE worker
-SET architectures = %(architectures)s, system_features = %(system_features)s,
-    max_concurrent_builds = %(max_builds)s, max_concurrent_evals = %(max_evals)s,
-    can_eval = %(eval)s, can_build = %(build)s, can_fetch = %(fetch)s,
-    zone = %(zone)s, endpoint = %(endpoint)s
-WHERE id = %(worker)s
-RETURNING *
-"""
 
 
 def record_capabilities(worker_id: int, caps: WorkerCapabilities) -> Worker:
@@ -185,7 +132,7 @@ def record_capabilities(worker_id: int, caps: WorkerCapabilities) -> Worker:
         "zone": caps.zone,
         "endpoint": caps.endpoint,
     }
-    for worker in Worker.objects.raw(CAPABILITIES_SQL, params):
+    for worker in Worker.objects.raw(statements.CAPABILITIES_SQL, params):
         return worker
     raise Worker.DoesNotExist(worker_id)
 

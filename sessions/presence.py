@@ -31,7 +31,7 @@ class Presence:
     def __init__(self, layer, worker_id: int, worker_name: str, channel: str):
         self.layer, self.channel = layer, channel
         self.worker_id, self.worker_name = worker_id, worker_name
-        self.unsettled = False  # attach() found what an earlier session left open
+        self.earlier_open = False  # attach() found what an earlier session left open
         self.touched = self.seen = 0.0  # set once attached: attach() is as good as a touch
         self.every = touch_every()
         self.replacing: asyncio.Future | None = None  # telling the session this one replaces
@@ -40,7 +40,7 @@ class Presence:
         """In the group and attached, a few starts at a time (sessions.starts)."""
         async with session_starts().gate:
             await self.join_group()
-            previous, self.unsettled = await handshake_db(connection.attach)(
+            previous, self.earlier_open = await handshake_db(connection.attach)(
                 self.worker_id, self.channel
             )
         self.touched = self.seen = time.monotonic()
@@ -55,9 +55,9 @@ class Presence:
         """The worker's capabilities recorded: its row, and what it says it runs from an
         earlier session that was closed meanwhile (it must not go on running)."""
         closed = []
-        if self.unsettled or caps.running:
-            self.unsettled = False
-            closed = await handshake_db(connection.settle_earlier)(self.worker_id, caps.running)
+        if self.earlier_open or caps.running:
+            self.earlier_open = False
+            closed = await handshake_db(connection.release_earlier)(self.worker_id, caps.running)
         return await handshake_db(connection.record_capabilities)(self.worker_id, caps), closed
 
     async def detach(self, code: int) -> None:

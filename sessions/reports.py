@@ -32,6 +32,7 @@ from gradient.jobs.models import (
 from gradient.jobs.steps import FETCH_STEPS
 from gradient.jobs.transitions import advance_build, advance_evaluation, finish_assignments
 from gradient.jobs.work import kept_error, kept_log_tail
+from sessions import statements
 
 
 def _open_row(worker_id: int, job_id: str, assignment_id: str) -> DispatchedJob:
@@ -65,34 +66,6 @@ def _assignment_pk(assignment_id: str) -> uuid.UUID:
         raise NotAllowed(f"no assignment {assignment_id!r}") from None
 
 
-# A single job's JobCompleted in one statement (one round trip, atomic on its own): three
-# guarded writes, its open row finished and its job (a build or an evaluation) Completed. A
-# fetch-only job leaves its evaluation Fetching. Whether the assignment is a cluster member's
-# comes back with it, so a member's report costs no extra query.
-_DONE = DISPATCHED_MACHINE.update(
-    "done",
-    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s AND cluster_attempt_id IS NULL",
-    also=", log_tail = %(log_tail)s",
-    returning="steps, evaluation_id, derivation_build_id",
-)
-_BUILDS = BUILD_MACHINE.update("build", "id IN (SELECT derivation_build_id FROM done)")
-_EVALUATIONS = EVALUATION_MACHINE.update(
-    "eval",
-    "id IN (SELECT evaluation_id FROM done WHERE steps::text[] <> %(fetch_only)s::text[])",
-)
-COMPLETE_SINGLE_SQL = f"""
-WITH done AS (
-{_DONE}
-), builds AS (
-{_BUILDS}
-), evaluations AS (
-{_EVALUATIONS}
-)
-SELECT EXISTS (SELECT 1 FROM done),
-       EXISTS (SELECT 1 FROM dispatched_job WHERE id = %(id)s AND cluster_attempt_id IS NOT NULL)
-"""
-
-
 COMPLETE_PARAMS = {
     **BUILD_MACHINE.bind("build", BuildStatus.COMPLETED),
     **EVALUATION_MACHINE.bind("eval", EvaluationStatus.COMPLETED),
@@ -114,7 +87,7 @@ def job_completed(
         **DISPATCHED_MACHINE.bind("done", DispatchedOutcome.COMPLETED, at=timezone.now()),
     }
     with connection.cursor() as cursor:
-        cursor.execute(COMPLETE_SINGLE_SQL, params)
+        cursor.execute(statements.COMPLETE_SINGLE_SQL, params)
         finished, is_member = cursor.fetchone()
     if finished:
         return

@@ -1,7 +1,8 @@
 """Answering a RequestJob: the worker's head of the queue read (and offered), then the cheapest
 job of it assigned, or an idle slot recorded and the dispatch pass woken."""
 
-from clusters import tracking
+from clusters.head import member_head_parts
+from clusters.statements import seat_reserved_sql
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers
@@ -11,7 +12,7 @@ from workers.models import Worker
 def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
     """The worker's head of these kinds, with the JobOffer of what it was not offered on this
     connection. A RequestJob reads its own kind's: what it scores is what the answer uses."""
-    parts = tracking.member_head_parts(worker, kinds)
+    parts = member_head_parts(worker, kinds)
     return offers.offer_head(worker, offered, parts, kinds)
 
 
@@ -21,7 +22,8 @@ def answer_request(
     """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
     and a cluster may now have its full placement, so the dispatch pass wakes (not for a
     resend's slot that a pass has seen already)."""
-    answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend)
+    reserved = seat_reserved_sql(kind)
+    answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend, reserved)
     if answer.wake:
         wake_dispatch()
     return answer.assign

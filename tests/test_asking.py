@@ -10,9 +10,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from clusters.asking import Asking
+from clusters.book import startable_clusters
 from clusters.dispatch import run_pass, snapshot
 from clusters.models import ClusterAttempt, ClusterJob
-from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from gradient.wire.protocol import Score
 from tests.clusterflow import Inbox, idle_workers

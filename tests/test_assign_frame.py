@@ -17,7 +17,7 @@ holds = st.none() | st.builds(
     index=st.integers(min_value=0, max_value=2**31),
     hold_secs=st.integers(min_value=0, max_value=10**6),
 )
-# What a claim reads back of a job's work (gradient.jobs.claim.CLAIMED_WORK); None for none.
+# What a claim reads back of a job's work (gradient.jobs.statements.CLAIMED_WORK); None for none.
 works = st.none() | st.builds(
     dict,
     command=st.none() | st.lists(texts.filter(bool), min_size=1, max_size=3),

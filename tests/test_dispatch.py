@@ -7,10 +7,10 @@ import pytest
 from django.utils import timezone
 
 from clusters import coordinator
+from clusters.book import startable_clusters
 from clusters.dispatch import claim_placements, run_pass
 from clusters.models import AttemptOutcome, ClusterAttempt, ClusterReservation, ClusterStatus
 from clusters.settlement import member_report
-from clusters.tracking import startable_clusters
 from clusters.wake import WAKE_KEY, _client, clusters_waiting, wake_dispatch
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
@@ -157,7 +157,7 @@ def test_the_roster_names_every_seat_with_its_role_index_and_worker_in_roster_or
         False,
         True,
     ]
-    # What _seats (clusters.tracking.role_indexes) makes of the started attempt.
+    # What _seats (clusters.book.role_indexes) makes of the started attempt.
     seats = coordinator._seats(rows[0].cluster_attempt_id)
     expected = [
         {

@@ -7,11 +7,11 @@ import random
 import pytest
 from django.utils import timezone
 
-from clusters import planner, scores
+from clusters import planner, statements
+from clusters.book import startable_clusters
 from clusters.dispatch import CLAIM_BATCH, run_pass, snapshot
 from clusters.models import ClusterAttempt
 from clusters.scores import SCORE_CHUNK, CheapestScores
-from clusters.tracking import startable_clusters
 from gradient.jobs.models import DispatchedJob
 from gradient.wire.groups import drain_sends
 from tests.clusterflow import Inbox, idle_workers
@@ -86,7 +86,7 @@ def test_a_failed_read_of_scores_fails_whoever_waits_for_them(monkeypatch):
     workers = idle_workers(6)
     score_everything(workers, clusters)
     keys = [m.job_key for c in clusters for m in c.members.all()]
-    monkeypatch.setattr(scores, "CHEAPEST_SCORES_SQL", "SELECT 1 / 0")  # a read that fails
+    monkeypatch.setattr(statements, "CHEAPEST_SCORES_SQL", "SELECT 1 / 0")  # a read that fails
     read = CheapestScores(keys).start()
     with pytest.raises(RuntimeError, match="reading the cheapest scores failed"):
         read.get(keys[0])

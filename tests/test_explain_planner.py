@@ -15,10 +15,10 @@ from hypothesis import settings as property_settings
 from hypothesis import strategies as st
 
 from clusters import planner
+from clusters.book import startable_clusters
 from clusters.dispatch import snapshot
 from clusters.explain import explain
 from clusters.pool import KINDS
-from clusters.tracking import startable_clusters
 from tests.factories import (
     BuildMemberFactory,
     ClusterFactory,

@@ -1,6 +1,6 @@
 """The service's processes set the garbage collector up once started (gradient.heap): the web
 process when its ASGI application is loaded, each Celery pool process when it is forked.
-Checked in a fresh interpreter each: settling the test process itself would prove nothing."""
+Checked in a fresh interpreter each: tuning the test process itself would prove nothing."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ from gradient import heap
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = "import gc; print(gc.get_threshold(), gc.get_freeze_count() > 0)"
-SETTLED = f"{(heap.YOUNG, heap.OLDER, heap.OLDER)} True"
+TUNED = f"{(heap.YOUNG, heap.OLDER, heap.OLDER)} True"
 
 
 def run(code: str) -> str:
@@ -24,17 +24,17 @@ def run(code: str) -> str:
 
 
 def test_a_fresh_interpreter_has_the_defaults():
-    assert run(REPORT) != SETTLED
+    assert run(REPORT) != TUNED
 
 
-def test_the_web_process_settles_once_its_application_is_loaded():
-    assert run("import gradient.asgi; " + REPORT) == SETTLED
+def test_the_web_process_tunes_its_heap_once_its_application_is_loaded():
+    assert run("import gradient.asgi; " + REPORT) == TUNED
 
 
-def test_each_celery_pool_process_settles_when_forked():
+def test_each_celery_pool_process_tunes_its_heap_when_forked():
     code = (
         "import django; django.setup(); import clusters.tasks;"
         " from celery.signals import worker_process_init;"
         " worker_process_init.send(sender=None); " + REPORT
     )
-    assert run(code) == SETTLED
+    assert run(code) == TUNED

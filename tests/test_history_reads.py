@@ -5,8 +5,8 @@ import pytest
 from django.utils import timezone
 
 from clusters import recovery
+from clusters.book import startable_clusters
 from clusters.models import ClusterAttempt, ClusterJob
-from clusters.tracking import startable_clusters
 from tests.factories import ProjectFactory
 from tests.plans import clusters_with_history, rows_read
 

@@ -1,5 +1,5 @@
 """JobOffer: the head of the queue offered to a worker, once per job and connection
-(workers.offers, workers.head, clusters.tracking.member_head_parts)."""
+(workers.offers, workers.head, clusters.head.member_head_parts)."""
 
 import pytest
 from django.db import connection as db_connection
@@ -29,12 +29,12 @@ pytestmark = pytest.mark.django_db
 def offered(worker, memory=None) -> list[str]:
     """What an offer to the worker names: one connection's offers when they share `memory`."""
     worker.refresh_from_db()
-    offer = offers.offer_head(worker, memory, tracking_parts(worker)).offer
+    offer = offers.offer_head(worker, memory, member_parts(worker)).offer
     return [] if offer is None else sorted(job.job_id for job in offer.jobs)
 
 
-def tracking_parts(worker):
-    from clusters.tracking import member_head_parts
+def member_parts(worker):
+    from clusters.head import member_head_parts
 
     return member_head_parts(worker)
 
@@ -107,7 +107,7 @@ def test_a_members_row_goes_once_its_job_left_the_head(settings):
     assert offered(worker) == [second.job_key]
     # Kept while fresh: the pass offers a cluster before it marks it waiting.
     assert JobScore.objects.count() == 2
-    JobScore.objects.update(offered_at=timezone.now() - offers.SETTLE)
+    JobScore.objects.update(offered_at=timezone.now() - offers.OFFER_GRACE)
     assert offered(worker) == []
     assert list(JobScore.objects.values_list("job_id", flat=True)) == [second.job_key]
 
@@ -162,7 +162,7 @@ def test_a_quarantined_worker_is_offered_single_jobs_but_no_member():
     waiting(member)
     # Quarantined after its row was read for the session: the offer reads the row itself.
     health.quarantine(worker, "flaky")
-    head = offers.offer_head(worker, memory, tracking_parts(worker))
+    head = offers.offer_head(worker, memory, member_parts(worker))
     assert sorted(job.job_id for job in head.offer.jobs) == [single.job_key]
     assert not JobScore.objects.filter(worker=worker).exists()
     health.release(worker)
@@ -267,9 +267,9 @@ def test_a_request_is_offered_the_head_of_its_own_kind():
     worker, memory = WorkerFactory(), offers.Offered()
     build, evaluation = BuildFactory(), EvaluationFactory()
     worker.refresh_from_db()
-    head = offers.offer_head(worker, memory, tracking_parts(worker), kinds=("build",))
+    head = offers.offer_head(worker, memory, member_parts(worker), kinds=("build",))
     assert [j.job_id for j in head.offer.jobs] == [build.job_key]
     assert memory.sizes == {build.job_key: None}
-    head = offers.offer_head(worker, memory, tracking_parts(worker), kinds=("eval",))
+    head = offers.offer_head(worker, memory, member_parts(worker), kinds=("eval",))
     assert [j.job_id for j in head.offer.jobs] == [evaluation.job_key]
     assert set(memory.sizes) == {build.job_key, evaluation.job_key}  # the build is kept

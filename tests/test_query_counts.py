@@ -53,7 +53,7 @@ COMPLETED = 1
 # A single job's AssignJobResponse (accepted): the one query that tells it from a member's.
 ACCEPTED = 1
 # A cluster member's AssignJobResponse (accepted), not the last: one statement
-# (clusters.coordinator.ACCEPT_SQL) that finds the row, locks its attempt and the attempt's
+# (clusters.statements.ACCEPT_SQL) that finds the row, locks its attempt and the attempt's
 # rows, and records the acceptance.
 MEMBER_ACCEPTED = 1
 # The last member's: the same statement also starts the attempt (the attempt, its cluster

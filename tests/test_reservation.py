@@ -10,11 +10,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from clusters.abort import abort_cluster
+from clusters.book import startable_clusters
 from clusters.dispatch import run_pass
 from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
-from clusters.reservation import active_reservation, due, first_target, reserve
-from clusters.tracking import note_waiting, startable_clusters
+from clusters.reservation import active_reservation, due, first_target, note_waiting, reserve
 from gradient.jobs.models import DerivationBuild, DispatchedJob
+from sessions.request_job import answer_request
 from tests.clusterflow import Inbox, idle_workers
 from tests.concurrency import rows_locked
 from tests.factories import (
@@ -24,10 +25,15 @@ from tests.factories import (
     EvalMemberFactory,
     WorkerFactory,
 )
-from workers.assignment import request_job
 from workers.models import IdleSlot
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def no_wake(monkeypatch):
+    # The single path as a session answers it (sessions.request_job), without the broker.
+    monkeypatch.setattr("sessions.request_job.wake_dispatch", lambda: False)
 
 
 @pytest.fixture(autouse=True)
@@ -140,11 +146,11 @@ def test_a_reserved_seat_gets_no_single_job_of_that_kind_until_released():
     reservation = active_reservation()
     seat = reservation.seats.first()
     BuildFactory()  # a single job that would fit
-    assert request_job(seat.worker_id, "build").assign is None
+    assert answer_request(seat.worker_id, "build") is None
     assert IdleSlot.objects.filter(worker_id=seat.worker_id, kind="build").exists()
     abort_cluster(cluster.pk, "no longer wanted")  # the cluster leaves the queue
     assert run_pass().reservation == "released: the cluster left the queue"
-    assert request_job(seat.worker_id, "build").assign is not None
+    assert answer_request(seat.worker_id, "build") is not None
 
 
 def test_only_one_cluster_holds_a_reservation():
@@ -196,7 +202,7 @@ def test_a_deleted_cluster_drops_its_reservation():
     assert active_reservation() is None
     assert not ClusterReservation.objects.exists()
     BuildFactory()
-    assert request_job(seat.worker_id, "build").assign is not None
+    assert answer_request(seat.worker_id, "build") is not None
     assert run_pass().reservation is None
 
 
@@ -235,7 +241,7 @@ def test_a_timed_out_reservation_frees_its_seats_for_single_jobs():
     # Before any new reservation, the freed seats take single jobs.
     for worker_id in seats:
         BuildFactory()
-        assert request_job(worker_id, "build").assign is not None
+        assert answer_request(worker_id, "build") is not None
 
 
 def test_after_a_timeout_other_clusters_reserve_first_and_the_clock_starts_again():
@@ -339,7 +345,7 @@ def test_a_single_claimed_while_a_reservation_commits_was_dispatched_before_its_
         reserving.start()
         until_waiting_on(gate)
         # The reservation is written but not committed: the claim does not see it.
-        claimed = request_job(seat.worker.id, "build").assign
+        claimed = answer_request(seat.worker.id, "build")
         assert claimed is not None and claimed.job_id == single.job_key
     finally:
         with connection.cursor() as cursor:
@@ -356,7 +362,7 @@ def test_a_single_claimed_while_a_reservation_commits_was_dispatched_before_its_
     assert dispatched.dispatched_at < reservation.created_at
     # Once committed, the seat gets no single job.
     BuildFactory()
-    assert request_job(seat.worker.id, "build").assign is None
+    assert answer_request(seat.worker.id, "build") is None
 
 
 def until_waiting_on(lock_id, timeout=10):

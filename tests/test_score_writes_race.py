@@ -6,7 +6,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from clusters.asking import OFFER_SQL
+from clusters.statements import ASK_SEATS_SQL
 from gradient.postgresql.arrays import int_array, text_array
 from gradient.wire.protocol import Score
 from tests.concurrency import race
@@ -23,7 +23,7 @@ def pass_asks(worker_ids, keys):
     pairs = [(w, k) for w in worker_ids for k in keys]
     with connection.cursor() as cursor:
         cursor.execute(
-            OFFER_SQL,
+            ASK_SEATS_SQL,
             {
                 "now": timezone.now(),
                 "workers": int_array(w for w, _ in pairs),

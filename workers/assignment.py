@@ -1,7 +1,7 @@
 """The single path: RequestJob -> the cheapest job of the worker's head -> claim -> AssignJob.
 
 Members of a Queued or Running cluster are never given out here: they start only through
-their cluster (clusters.tracking). Nothing to give records an idle slot, the planner's view
+their cluster (clusters.book). Nothing to give records an idle slot, the planner's view
 of free capacity.
 """
 
@@ -14,17 +14,19 @@ from django.db import connection, transaction
 from django.utils import timezone
 from pydantic_core import to_json
 
-from gradient.jobs.claim import Assignment, ClaimGate, claim_params, claim_sql
+from gradient.jobs.claim import Assignment, ClaimGate, claim_params
 from gradient.jobs.models import (
     JOB_MACHINES,
     BuildStatus,
     EvaluationStatus,
     JobKind,
 )
+from gradient.jobs.statements import claim_sql
 from gradient.jobs.work import NO_WORK
 from gradient.postgresql.pipeline import send
 from gradient.wire.keys import job_key_sql
 from gradient.wire.protocol import AssignJob, Rendered
+from workers import statements
 from workers.head import (
     HeadJob,
     Offerable,
@@ -37,58 +39,6 @@ from workers.head import (
 from workers.models import IdleSlot, Worker, idle_slot_fresh_since
 
 HEAD_READS = 3  # rivals took every job of the head read: read it again, then give up
-
-
-def has_room_sql(kind: str) -> str:
-    """SQL: the worker row w has room for one more job of `kind` (an SQL text expression): not
-    draining, and fewer open assignments of the kind (held members included) than its slots."""
-    return f"""NOT w.draining AND (SELECT count(*) FROM dispatched_job d
-                   WHERE d.worker_id = w.id AND d.kind = {kind} AND d.finished_at IS NULL)
-                  < CASE WHEN {kind} = '{JobKind.BUILD}' THEN w.max_concurrent_builds
-                         ELSE w.max_concurrent_evals END"""
-
-
-# The single path's claim, in one statement: the best of the ranked jobs that no other claim
-# is taking right now (a claimer locks its job row, and the others pass over it instead of
-# queueing behind its transaction: workers that score alike all prefer the same job), if the
-# worker has room for it (its open assignments, held members included, below its slots, not
-# draining, no seat of the aging reservation); its assignment row by the single-assignment
-# claim (gradient.jobs.claim, over every candidate's row, the picked one kept), the Assigned
-# transition, the worker's idle slot cleared, and the head's first in line counted as passed
-# over when another job went (skipped while another claim holds it: a count, never a wait).
-# The job claimed comes back with its work (gradient.jobs.claim.CLAIMED_WORK).
-SINGLE_CLAIM_SQL = """
-WITH pick AS (
-    SELECT j.id FROM {table} j
-    WHERE j.id = ANY(%(ids)s::uuid[]) AND j.status IN ({statuses}) AND NOT j.active_member
-    ORDER BY array_position(%(ids)s::uuid[], j.id)
-    LIMIT 1
-    FOR NO KEY UPDATE {skip}
-), room AS (
-    SELECT NOT ({has_room}) AS no_room,
-           EXISTS (SELECT 1 FROM reservation_seat s
-                   JOIN cluster_reservation r ON r.id = s.reservation_id
-                   WHERE s.worker_id = w.id AND s.kind = '{kind}' AND r.released_at IS NULL)
-               AS reserved
-    FROM worker w WHERE w.id = %(worker)s
-), claimed AS ({claim}), assigned AS (
-{assigned}
-), unidle AS (
-    DELETE FROM idle_slot s
-    WHERE s.worker_id = %(worker)s AND s.kind = '{kind}' AND EXISTS (SELECT 1 FROM claimed)
-), overtaken AS (
-    UPDATE {table} j SET passed_over = j.passed_over + 1
-    FROM (SELECT f.id FROM {table} f
-          WHERE f.id = %(first)s AND f.status IN ({statuses}) AND f.passed_over < 32767
-          FOR NO KEY UPDATE SKIP LOCKED) f
-    WHERE j.id = f.id AND f.id <> (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)
-)
-SELECT (SELECT id FROM pick), (SELECT job_id FROM claimed), room.no_room, room.reserved,
-       (SELECT work FROM claimed)
-FROM room
-"""
-PICKED = """t.job_id = {picked}
-  AND NOT EXISTS (SELECT 1 FROM room WHERE no_room OR reserved)"""
 
 
 def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob]:
@@ -106,13 +56,16 @@ def ranked(head: list[HeadJob], sizes: Mapping[str, int | None]) -> list[HeadJob
 
 
 @functools.cache
-def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool) -> str:
-    return SINGLE_CLAIM_SQL.format(
+def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool, reserved: str) -> str:
+    return statements.SINGLE_CLAIM_SQL.format(
         table=job_table(kind),
         kind=kind,
+        reserved=reserved,
         statuses=literals(statuses),
-        has_room=has_room_sql(f"'{kind}'"),
-        claim=claim_sql(PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))),
+        has_room=statements.has_room_sql(f"'{kind}'"),
+        claim=claim_sql(
+            statements.PICKED.format(picked=job_key_sql(kind, "(SELECT id FROM pick)"))
+        ),
         assigned=JOB_MACHINES[kind].update(
             "assigned", "id = (SELECT id FROM pick) AND EXISTS (SELECT 1 FROM claimed)"
         ),
@@ -143,7 +96,9 @@ class Claimed(NamedTuple):
 NOTHING = Claimed(None, None, [], False, False)
 
 
-def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob) -> Claimed:
+def claim_best(
+    worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJob, reserved: str
+) -> Claimed:
     """Claim the first of `jobs` (ranked) that can be claimed."""
     by_id = {job.id: job for job in jobs}
     skip = True
@@ -151,7 +106,7 @@ def claim_best(worker: Worker, how: Offerable, jobs: list[HeadJob], first: HeadJ
         rows = {job.key: _assignment(worker, how, job) for job in by_id.values()}
         with connection.cursor() as cursor:
             cursor.execute(
-                _claim_sql(how.kind, how.statuses, skip),
+                _claim_sql(how.kind, how.statuses, skip, reserved),
                 {
                     "ids": list(by_id),
                     "worker": worker.pk,
@@ -184,41 +139,6 @@ def _assignment(worker: Worker, how: Offerable, job: HeadJob) -> Assignment:
     )
 
 
-# The slot is recorded only while the worker still has room for the kind, and cleared when it
-# has none: a claim that seated it since the RequestJob has taken the slot, and recording it
-# again would seat the worker twice, a prepare lost. A claim holds the slot's row until it
-# commits, so the row is locked first and the room counted by a statement of its own, which
-# sees that commit: counted from before it, the write would put the slot back as the claim
-# deletes it. Both go in one round trip (a pipeline), then the commit.
-LOCK_IDLE_SQL = """
-SELECT 1 FROM idle_slot WHERE worker_id = %(worker)s AND kind = %(kind)s::text FOR UPDATE
-"""
-RECORD_IDLE_SQL = f"""
-WITH room AS (
-    SELECT w.id, {has_room_sql("%(kind)s::text")} AS free
-    FROM worker w WHERE w.id = %(worker)s
-), kept AS (
-    INSERT INTO idle_slot (worker_id, kind, recorded_at)
-    SELECT id, %(kind)s::text, %(now)s FROM room WHERE free
-    ON CONFLICT (worker_id, kind) DO UPDATE SET recorded_at = EXCLUDED.recorded_at
-)
-DELETE FROM idle_slot s USING room
-WHERE s.worker_id = room.id AND s.kind = %(kind)s::text AND NOT room.free
-"""
-
-
-# A resend (a worker asks again every 10 s while a slot stays free) refreshes its slot in place:
-# a row that still exists has room behind it, since every claim that takes a slot deletes its
-# row, and an update cannot put back a row that a claim deleted. It returns the time replaced.
-REFRESH_IDLE_SQL = """
-UPDATE idle_slot s SET recorded_at = %(now)s
-FROM idle_slot o
-WHERE s.worker_id = %(worker)s AND s.kind = %(kind)s::text
-  AND o.worker_id = s.worker_id AND o.kind = s.kind
-RETURNING o.recorded_at
-"""
-
-
 def record_idle(worker_id: int, kind: str, resend: bool = False) -> bool:
     """Record the slot; with `resend`, refresh it if it is still there. False only for a slot
     refreshed while the planner still trusted it: no pass needs waking for it."""
@@ -226,14 +146,14 @@ def record_idle(worker_id: int, kind: str, resend: bool = False) -> bool:
     params = {"worker": worker_id, "kind": kind, "now": now}
     if resend:
         with connection.cursor() as cursor:
-            cursor.execute(REFRESH_IDLE_SQL, params)
+            cursor.execute(statements.REFRESH_IDLE_SQL, params)
             replaced = cursor.fetchone()
         if replaced is not None:
             return replaced[0] < idle_slot_fresh_since(now)
     # The atomic block opens the connection before the pipeline is asked of it.
     with transaction.atomic(), connection.wrap_database_errors, connection.connection.pipeline():
-        send(LOCK_IDLE_SQL, params)
-        send(RECORD_IDLE_SQL, params)
+        send(statements.LOCK_IDLE_SQL, params)
+        send(statements.RECORD_IDLE_SQL, params)
     return True
 
 
@@ -266,13 +186,16 @@ def request_job(
     head: list[HeadJob] | None = None,
     sizes: Mapping[str, int | None] | None = None,
     resend: bool = False,
+    reserved: str = "false",
 ) -> Answer:
     """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
     take now, or none after recording an idle slot (none when it is full, draining or cannot
     serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
     worker's scores of them (workers.offers.Offered); without them the head is read now.
     `resend`: the session answered this kind with an idle slot last, and the worker reported
-    nothing since (record_idle then refreshes the slot it finds)."""
+    nothing since (record_idle then refreshes the slot it finds). `reserved`: SQL, whether the
+    worker row w holds a seat of this kind for a cluster (clusters.statements.seat_reserved_sql:
+    the clusters app's tables, which this app does not read itself)."""
     worker = worker or Worker.objects.get(pk=worker_id)
     how = offerable(worker, kind)
     if how is None or worker.draining:
@@ -282,7 +205,7 @@ def request_job(
         jobs = head if read == 0 and head is not None else read_singles(worker, how)
         if not jobs:
             break
-        claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0])
+        claimed = claim_best(worker, how, ranked(jobs, sizes or {}), jobs[0], reserved)
         if claimed.no_room:
             clear_idle(worker_id, kind)
             return Answer(None, False)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
@@ -27,11 +26,6 @@ FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
 def quarantined_q(now: datetime) -> Q:
     """The workers quarantined at `now`, for the ORM."""
     return Q(quarantined_until__gt=now)
-
-
-def quarantined_sql(alias: str) -> str:
-    """The same rule as quarantined_q, in SQL over the worker row `alias`, against %(now)s."""
-    return f"coalesce({alias}.quarantined_until > %(now)s, false)"
 
 
 def is_quarantined(worker: Worker, now: datetime) -> bool:
@@ -67,26 +61,6 @@ def quarantine_of(worker: Worker, now: datetime) -> Quarantine | None:
     return Quarantine(worker.quarantined_since, worker.quarantine_reason, worker.quarantined_by)
 
 
-# Blamed seats, counted in the transaction that closes their attempts, after the seats' own
-# write (`blamed`, a CTE of the caller's yielding worker_id). The rows are locked in id order
-# (two closes blaming the same workers never wait on each other in a circle), and the increment
-# is the UPDATE's own, on the row as last committed: two closes at once both count.
-COUNT_BLAMED_SQL = f"""
-, locked AS (
-    SELECT id FROM worker WHERE id IN (SELECT worker_id FROM blamed) ORDER BY id
-    FOR NO KEY UPDATE
-)
-UPDATE worker w SET blamed_in_row = w.blamed_in_row + 1
-FROM locked WHERE w.id = locked.id
-RETURNING w.id, w.blamed_in_row, {quarantined_sql("w")}
-"""
-QUARANTINE_SQL = """
-UPDATE worker SET quarantined_since = %(now)s, quarantined_until = %(until)s,
-                  quarantined_by = %(by)s, quarantine_reason = %(reason)s
-WHERE id = ANY(%(workers)s::bigint[])
-"""
-
-
 def quarantine_counted(counted, blame: str, now: datetime) -> list[int]:
     """COUNT_BLAMED_SQL's rows (worker, its blamed seats in a row, quarantined now) in, the
     workers they quarantine automatically out, written under the count's lock."""
@@ -95,28 +69,13 @@ def quarantine_counted(counted, blame: str, now: datetime) -> list[int]:
         w for w, streak, quarantined in counted if quarantine_due(streak, quarantined, after)
     )
     if due:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                QUARANTINE_SQL,
-                {
-                    "workers": due,
-                    "now": now,
-                    "until": now + timedelta(seconds=settings.GRADIENT["QUARANTINE_SECS"]),
-                    "by": AUTOMATIC,
-                    "reason": f"{after} blamed seats in a row, the last {blame}",
-                },
-            )
+        Worker.objects.filter(pk__in=due).update(
+            quarantined_since=now,
+            quarantined_until=now + timedelta(seconds=settings.GRADIENT["QUARANTINE_SECS"]),
+            quarantined_by=AUTOMATIC,
+            quarantine_reason=f"{after} blamed seats in a row, the last {blame}",
+        )
     return due
-
-
-# A seat of the worker succeeded (its report finished its row %(completed)s at %(finish_at)s, in
-# an earlier statement of the same transaction): its streak starts again, and any probation ends.
-COUNT_SUCCESS_SQL = """
-UPDATE worker SET blamed_in_row = 0
-WHERE id = %(worker)s AND blamed_in_row <> 0 AND EXISTS (
-    SELECT 1 FROM dispatched_job d WHERE d.id = %(id)s AND d.worker_id = %(worker)s
-      AND d.outcome = %(completed)s AND d.finished_at = %(finish_at)s)
-"""
 
 
 def quarantine(worker: Worker, reason: str | None, now: datetime | None = None) -> None:

@@ -1,7 +1,7 @@
 """JobOffer and JobScores: the head of the queue offered to a worker, and what it would fetch.
 
 A worker is offered, before a RequestJob is answered, the jobs of its head it was not offered
-on this connection (workers.head, clusters.tracking.member_head_parts). Single jobs and members
+on this connection (workers.head, clusters.head.member_head_parts). Single jobs and members
 are remembered apart, by who reads their scores:
 - a single job's score serves only this worker's next choice on this connection, so the
   session keeps the offers and the scores (`Offered`), for the jobs at its head alone;
@@ -21,53 +21,12 @@ from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
-from gradient.wire.keys import key_kind_sql
 from gradient.wire.protocol import JobOffer, OfferedJob, Rendered
+from workers import statements
 from workers.head import HeadJob, offerable, platform_params, singles_sql
 from workers.models import Worker
 
-SETTLE = timedelta(seconds=10)
-
-NO_MEMBERS = """
-SELECT NULL::text AS key, NULL::text AS kind, NULL::text AS project, NULL::text AS architecture,
-       NULL::text[] AS required_features, NULL::text[] AS paths
-WHERE false
-"""
-
-# The worker's head in one statement: the single jobs of each kind as rows (HeadJob's fields),
-# and the members new to this connection as the JobOffer's own JSON, made by PostgreSQL;
-# member rows of jobs that left the head are deleted, the new ones written. A row written in
-# the last SETTLE stays: the dispatch pass offers a cluster before it marks it waiting, and the
-# answer to that offer must outlive the worker's own offers in between.
-OFFER_SQL = (
-    """
-WITH singles AS ({singles}),
-members AS ({members}),
-dropped AS (
-    DELETE FROM job_score s
-    WHERE s.worker_id = %(worker)s AND s.job_id <> ALL(ARRAY(SELECT key FROM members))
-      AND """
-    + key_kind_sql("s.job_id")
-    + """ = ANY(%(kinds)s::text[])
-      AND coalesce(s.scored_at, s.offered_at) < %(settled)s
-),
-fresh AS (
-    INSERT INTO job_score (worker_id, job_id, offered_at)
-    SELECT %(worker)s, key, %(now)s FROM members ORDER BY key
-    ON CONFLICT (worker_id, job_id) DO NOTHING
-    RETURNING job_id
-)
-SELECT (SELECT coalesce(json_agg(json_build_array(
-            key, kind, id, status, substitute, project_id, project, architecture,
-            required_features, paths, prioritized, passed_over, created_at)
-            ORDER BY kind, prioritized DESC, created_at), '[]') FROM singles)::text,
-       (SELECT coalesce(json_agg(json_build_object(
-            'job_id', m.key, 'kind', m.kind, 'project', m.project,
-            'architecture', m.architecture, 'required_features', m.required_features,
-            'paths', m.paths)), '[]')
-        FROM members m JOIN fresh f ON f.job_id = m.key)::text
-"""
-)
+OFFER_GRACE = timedelta(seconds=10)
 
 
 class RenderedOffer(Rendered):
@@ -137,19 +96,19 @@ def offer_head(
     """Read the worker's head of these kinds and offer it the jobs it has not been offered on
     this connection (`offered` remembers the single jobs; without it, every single job counts
     as new). `member_parts` are the members' parts of those kinds
-    (clusters.tracking.member_head_parts)."""
+    (clusters.head.member_head_parts)."""
     offered = offered if offered is not None else Offered()
     if worker.draining:
         return Head([], None)
-    singles = singles_parts(worker, kinds)
-    members = list(member_parts) or [NO_MEMBERS]
-    sql = OFFER_SQL.format(
-        singles=" UNION ALL ".join(f"({part})" for part in singles) if singles else NO_SINGLES,
+    singles = [f"({part})" for part in singles_parts(worker, kinds)] or [statements.NO_SINGLES]
+    members = list(member_parts) or [statements.NO_MEMBERS]
+    sql = statements.HEAD_OFFER_SQL.format(
+        singles=" UNION ALL ".join(singles),
         members=" UNION ".join(f"({part})" for part in members),
     )
     with db_connection.cursor() as cursor:
         now = timezone.now()
-        params = {"now": now, "settled": now - SETTLE, "kinds": list(kinds)}
+        params = {"now": now, "grace_since": now - OFFER_GRACE, "kinds": list(kinds)}
         cursor.execute(sql, {**platform_params(worker), **params})
         singles_json, members_json = cursor.fetchone()
     head = [_head_job(row) for row in json.loads(singles_json)]
@@ -160,32 +119,9 @@ def offer_head(
     return Head(head, RenderedOffer("[" + ",".join(items) + "]") if items else None)
 
 
-NO_SINGLES = """
-SELECT NULL::text AS key, NULL::text AS kind, NULL::uuid AS id, NULL::text AS status,
-       NULL::bool AS substitute, NULL::bigint AS project_id, NULL::text AS project,
-       NULL::text AS architecture, NULL::text[] AS required_features, NULL::text[] AS paths,
-       NULL::bool AS prioritized, NULL::int AS passed_over, NULL::timestamptz AS created_at
-WHERE false
-"""
-
-
 def _head_job(row: list) -> HeadJob:
     job = HeadJob._make(row)
     return job._replace(id=uuid.UUID(job.id))
-
-
-# A JobScores answer for members, in one statement, no model instances. Every writer of
-# job_score inserts in (worker, job) order, so that two that overlap cannot deadlock.
-RECORD_SCORES_SQL = """
-INSERT INTO job_score (worker_id, job_id, offered_at, missing_count, missing_nar_size, scored_at)
-SELECT %(worker)s, s.job_id, %(now)s, s.missing_count, s.missing_nar_size, %(now)s
-FROM unnest(%(jobs)s::text[], %(counts)s::bigint[], %(sizes)s::bigint[])
-     AS s(job_id, missing_count, missing_nar_size)
-ORDER BY s.job_id
-ON CONFLICT (worker_id, job_id) DO UPDATE
-SET missing_count = EXCLUDED.missing_count, missing_nar_size = EXCLUDED.missing_nar_size,
-    scored_at = EXCLUDED.scored_at
-"""
 
 
 def record_scores(worker_id: int, scores) -> int:
@@ -196,7 +132,7 @@ def record_scores(worker_id: int, scores) -> int:
         return 0
     with db_connection.cursor() as cursor:
         cursor.execute(
-            RECORD_SCORES_SQL,
+            statements.RECORD_SCORES_SQL,
             {
                 "worker": worker_id,
                 "now": timezone.now(),

@@ -17,8 +17,8 @@ from functools import cached_property
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
+from gradient.jobs import statements
 from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
-from gradient.postgresql.arrays import text_array
 from gradient.wire.keys import job_key
 
 
@@ -51,71 +51,6 @@ class Assignment:
     work: dict | None = None
 
 
-# The claim's rows, an assignment each (claim_rows), aliased t. They go as one JSON document:
-# psycopg dumps a Python list element by element (a type lookup and a quoting check for
-# each), which for a dispatch pass's batch of members cost more than the statement itself;
-# json.dumps is C, and PostgreSQL reads the rows with json_to_recordset.
-CLAIM_ROWS = """json_to_recordset(%(claims)s::json)
-     AS t(id uuid, kind text, job_id text, evaluation_id uuid, build_id uuid, worker_id bigint,
-          project_id bigint, steps text, dispatched_at timestamptz, attempt_id uuid,
-          size bigint, substitute bool)"""
-
-# The start condition of a row's job (ClaimGate). A cluster claim also reads it to leave out,
-# before writing anything, an attempt with a member that cannot start. Each probe reads its
-# row by primary key: OFFSET 0 keeps PostgreSQL from hashing a whole table instead, which it
-# would for the hundred rows it guesses a JSON document holds.
-START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
-     THEN EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = t.build_id
-                  AND b.status = ANY(%(build_startable)s) AND b.cache_available = t.substitute
-                  OFFSET 0)
-     ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
-                  AND e.status = ANY(%(eval_startable)s) OFFSET 0)
-END"""
-# A row's attempt was opened (always true for a single job's row). One lookup of the rows'
-# own attempts, hashed, rather than a probe per row: a probe's plan follows the table's stats,
-# and an attempt table small when analyzed was scanned whole for every member.
-ATTEMPT_OPENED = """(t.attempt_id IS NULL OR t.attempt_id IN (
-     SELECT a.id FROM cluster_attempt a WHERE a.id = ANY(%(attempts)s::uuid[])))"""
-
-# What a claimed row's job runs (gradient.jobs.work), for its AssignJob: read here, for the
-# jobs claimed alone, so that the reads of the queue never carry it. One JSON object with the
-# AssignJob's own keys, read by its job's primary key, as START_CONDITION probes it.
-CLAIMED_WORK = """CASE WHEN dispatched_job.derivation_build_id IS NOT NULL
-     THEN (SELECT json_build_object('command', b.command, 'env', b.env,
-                                    'timeout_secs', b.timeout_secs)
-           FROM derivation_build b WHERE b.id = dispatched_job.derivation_build_id)
-     ELSE (SELECT json_build_object('command', e.command, 'env', e.env,
-                                    'timeout_secs', e.timeout_secs)
-           FROM evaluation e WHERE e.id = dispatched_job.evaluation_id)
-END"""
-
-# Rows go in job-key order, so overlapping claimers queue on the same key first. A member's
-# row goes in only under its attempt: a cluster claim whose attempt was not opened (it lost
-# that step) inserts none of its members. Each row claimed comes back with its job's work.
-CLAIM_TEMPLATE = f"""
-INSERT INTO dispatched_job (
-    id, kind, job_id, evaluation_id, derivation_build_id, worker_id, project_id, steps,
-    dispatched_at, cluster_attempt_id, missing_nar_size
-)
-SELECT t.id, t.kind, t.job_id, t.evaluation_id, t.build_id, t.worker_id, t.project_id,
-       string_to_array(t.steps, ','), t.dispatched_at, t.attempt_id, t.size
-FROM {CLAIM_ROWS}
-WHERE {START_CONDITION}
-  AND {ATTEMPT_OPENED}
-  /*also*/
-ORDER BY t.job_id
-ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
-RETURNING job_id, {CLAIMED_WORK} AS work
-"""
-CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
-
-
-def claim_sql(also: str) -> str:
-    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t): the single path
-    names there which of its candidates a statement claims."""
-    return CLAIM_TEMPLATE.replace("/*also*/", f"AND {also}")
-
-
 START_PARAMS = {
     "build_startable": sorted(BUILD_STARTABLE),
     "eval_startable": sorted(EVALUATION_STARTABLE),
@@ -145,8 +80,7 @@ def claim_params(assignments: list[Assignment]) -> dict:
                 "substitute": a.gate.substitute,
             }
         )
-    attempts = text_array(sorted({r["attempt_id"] for r in rows if r["attempt_id"]}))
-    return {"claims": json.dumps(rows), "attempts": attempts, **START_PARAMS}
+    return {"claims": json.dumps(rows), **START_PARAMS}
 
 
 def claim_assignment(assignment: Assignment, using=None) -> bool:
@@ -155,5 +89,5 @@ def claim_assignment(assignment: Assignment, using=None) -> bool:
     True when this call won. Runs in the caller's transaction when there is one.
     """
     with connections[using or DEFAULT_DB_ALIAS].cursor() as cursor:
-        cursor.execute(CLAIM_SQL, claim_params([assignment]))
+        cursor.execute(statements.CLAIM_SQL, claim_params([assignment]))
         return cursor.fetchone() is not None

@@ -12,6 +12,7 @@ from datetime import datetime
 from django.db import connection
 from django.utils import timezone
 
+from gradient.jobs import statements
 from gradient.jobs.models import BUILD_MACHINE, DISPATCHED_MACHINE, EVALUATION_MACHINE
 from gradient.jobs.states import StateMachine
 
@@ -47,13 +48,6 @@ def advance_builds(pks, to: str, expect=None) -> int:
     return move(BUILD_MACHINE, pks, to, expect)
 
 
-FINISH_SQL = DISPATCHED_MACHINE.update(
-    "finish",
-    "id = ANY(%(ids)s)",
-    also=", failure_kind = %(failure_kind)s, error = %(error)s, log_tail = %(log_tail)s",
-)
-
-
 def finish_assignments(
     pks,
     outcome: str,
@@ -76,5 +70,5 @@ def finish_assignments(
     if not params["ids"]:
         return 0
     with connection.cursor() as cursor:
-        cursor.execute(FINISH_SQL, params)
+        cursor.execute(statements.FINISH_ASSIGNMENTS_SQL, params)
         return cursor.rowcount

@@ -81,7 +81,7 @@ class Command(JsonCommand):
         tokens = issue_tokens(names, projects)
         connection.close()  # the fleet may run for hours without touching the database
         raise_fd_limit(len(names))
-        heap.settle()  # hundreds of sessions for hours, like the server's own processes
+        heap.tune()  # hundreds of sessions for hours, like the server's own processes
         fleet = Fleet(
             [(name, tokens[name], configs[name]) for name in names],
             url=split_list(options["url"], ",", "--url"),

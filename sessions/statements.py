@@ -1,0 +1,83 @@
+"""The session's raw SQL, each statement named once, under the path that runs it; the code
+modules import them from here."""
+
+from gradient.jobs.models import BUILD_MACHINE, DISPATCHED_MACHINE, EVALUATION_MACHINE
+
+# --- A session's start and liveness (sessions.connection) ---
+# The worker owning a token, by the token's hash, unless revoked.
+AUTHENTICATE_SQL = "SELECT id, name FROM worker WHERE token_hash = %s AND revoked_at IS NULL"
+# A session start with nothing of an earlier session to settle, in one statement (its own
+# transaction): lock the worker's row, forget its offers (offers are per connection: a
+# reconnecting worker is offered everything again) and, when a session it replaces is on
+# record, that session's idle slots; then record this session as the live one. Nothing to
+# settle: no earlier session, or one that holds no open assignment (as after a server was
+# killed with idle workers). Else no row comes back and attach() takes the long way.
+QUIET_ATTACH_SQL = """
+WITH target AS (
+    SELECT id, channel_name FROM worker WHERE id = %(worker)s FOR UPDATE
+), quiet AS (
+    SELECT t.id, t.channel_name FROM target t
+    WHERE t.channel_name IS NULL OR NOT EXISTS (
+        SELECT 1 FROM dispatched_job d WHERE d.worker_id = t.id AND d.finished_at IS NULL)
+), slots AS (
+    DELETE FROM idle_slot s USING quiet q
+    WHERE s.worker_id = q.id AND q.channel_name IS NOT NULL
+), offers AS (
+    DELETE FROM job_score s USING quiet q WHERE s.worker_id = q.id
+)
+UPDATE worker w
+SET channel_name = %(channel)s, connected_at = %(now)s, last_seen_at = %(now)s, draining = false
+FROM quiet q WHERE w.id = q.id
+RETURNING q.channel_name
+"""
+# Liveness in one statement, every workers.liveness.touch_every() seconds of a session that
+# sends frames: the last-seen time written, and whether this session is still the worker's
+# live one with its token good.
+TOUCH_SQL = """
+WITH live AS (
+    SELECT id FROM worker
+    WHERE id = %(worker)s AND channel_name = %(channel)s AND revoked_at IS NULL
+), seen AS (
+    UPDATE worker SET last_seen_at = %(now)s WHERE id IN (SELECT id FROM live)
+)
+SELECT EXISTS (SELECT 1 FROM live)
+"""
+# WorkerCapabilities in one statement; the row comes back whole, for InitAck's name and the
+# offer that follows (a full read: new capabilities may change which jobs fit).
+CAPABILITIES_SQL = """
+UPDATE worker
+SET architectures = %(architectures)s, system_features = %(system_features)s,
+    max_concurrent_builds = %(max_builds)s, max_concurrent_evals = %(max_evals)s,
+    can_eval = %(eval)s, can_build = %(build)s, can_fetch = %(fetch)s,
+    zone = %(zone)s, endpoint = %(endpoint)s
+WHERE id = %(worker)s
+RETURNING *
+"""
+
+# --- A single job's JobCompleted (sessions.reports) ---
+# A single job's JobCompleted in one statement (one round trip, atomic on its own): three
+# guarded writes, its open row finished and its job (a build or an evaluation) Completed. A
+# fetch-only job leaves its evaluation Fetching. Whether the assignment is a cluster member's
+# comes back with it, so a member's report costs no extra query.
+_DONE = DISPATCHED_MACHINE.update(
+    "done",
+    "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s AND cluster_attempt_id IS NULL",
+    also=", log_tail = %(log_tail)s",
+    returning="steps, evaluation_id, derivation_build_id",
+)
+_BUILDS = BUILD_MACHINE.update("build", "id IN (SELECT derivation_build_id FROM done)")
+_EVALUATIONS = EVALUATION_MACHINE.update(
+    "eval",
+    "id IN (SELECT evaluation_id FROM done WHERE steps::text[] <> %(fetch_only)s::text[])",
+)
+COMPLETE_SINGLE_SQL = f"""
+WITH done AS (
+{_DONE}
+), builds AS (
+{_BUILDS}
+), evaluations AS (
+{_EVALUATIONS}
+)
+SELECT EXISTS (SELECT 1 FROM done),
+       EXISTS (SELECT 1 FROM dispatched_job WHERE id = %(id)s AND cluster_attempt_id IS NOT NULL)
+"""
