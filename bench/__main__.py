@@ -2,11 +2,12 @@
 
     bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
 
-NAME is any of: claim, dispatch-pass, gang-start, throughput, queue-depth, placement, storm,
-retention, history, health, session, agent (default: all, in that order). Each runs as its own
-process (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command that its section
-then quotes; a failing one is reported and the rest still run. Exits non-zero when any failed. The
-machine should be quiet: the figures move with the load average, which each section records.
+NAME is any of: claim, dispatch-pass, gang-start, gang-start-agents, throughput, queue-depth,
+placement, storm, retention, history, health, session, agent (default: all, in that order). Each
+runs as its own process (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command
+that its section then quotes; a failing one is reported and the rest still run. Exits non-zero
+when any failed. The machine should be quiet: the figures move with the load average, which each
+section records.
 
 A new benchmark is a script here and a NAME in BENCHES. It takes `_common.parser()`'s
 arguments, calls `_common.start(args)`, builds its fleet and stack with `_common`'s helpers
@@ -31,6 +32,7 @@ BENCHES = {
     "claim": ["bench/claim.py"],
     "dispatch-pass": ["bench/dispatch.py", "--only", "pass"],
     "gang-start": ["bench/dispatch.py", "--only", "gang"],
+    "gang-start-agents": ["bench/gang_start.py"],
     "throughput": ["bench/throughput.py"],
     "queue-depth": ["bench/queue_depth.py"],
     "placement": ["bench/placement.py"],
