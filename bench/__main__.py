@@ -32,7 +32,7 @@ BENCHES = {
     "claim": ["bench/claim.py"],
     "dispatch-pass": ["bench/dispatch.py", "--only", "pass"],
     "gang-start": ["bench/dispatch.py", "--only", "gang"],
-    "gang-start-agents": ["bench/gang_start.py"],
+    "gang-start-agents": ["bench/gang_start.py"],  # parts idle, start, sustained
     "throughput": ["bench/throughput.py"],
     "queue-depth": ["bench/queue_depth.py"],
     "placement": ["bench/placement.py"],
@@ -41,7 +41,7 @@ BENCHES = {
     "history": ["bench/history.py"],
     "health": ["bench/health.py"],
     "session": ["bench/session.py"],
-    "agent": ["bench/agent.py"],
+    "agent": ["bench/gang_start.py", "--only", "agent"],
 }
 
 

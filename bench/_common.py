@@ -137,6 +137,15 @@ def warm_up(secs: float) -> None:
     time.sleep(secs / 2)
 
 
+def backend_pid() -> int:
+    """This process's PostgreSQL backend: the bench's own, left out of the stack's CPU."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
 def count_by(rows, field: str) -> dict:
     """How many of a queryset's rows hold each value of `field`."""
     from django.db.models import Count

@@ -1,8 +1,6 @@
 """Claim latency: claim_cluster against a floor that writes the same rows with raw psycopg,
 and the dispatch pass's batched claim (claim_clusters) per cluster.
 
-    .venv/bin/python bench/claim.py [--repeat N] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Claim latency".
 """
 

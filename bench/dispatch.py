@@ -1,9 +1,5 @@
 """The dispatch pass over ready clusters x idle workers, and gang-start latency on the real stack.
 
-    .venv/bin/python bench/dispatch.py [--grid 100x500,1000x5000] [--repeat N] [--trials N]
-                                       [--history N] [--only pass|gang]
-                                       [--write docs/benchmarks.md]
-
 The methods are in docs/benchmarks.md, "Dispatch pass" and "Gang-start latency".
 """
 
@@ -270,26 +266,12 @@ def bench_pass(grid: list[tuple[int, int, int]], repeat: int) -> list[dict]:
     rows = []
     for clusters, workers, history in grid:
         common.ensure_database()
-        began = time.monotonic()
         made = populate(clusters, workers, history)
-        print(
-            f"{clusters}x{workers}, {history} finished: {made['scores']} scores, set up in"
-            f" {time.monotonic() - began:.0f} s",
-            flush=True,
-        )
         runs = []
         for i in range(repeat + 1):  # the first pass warms caches and is not counted
             reset_for_pass()
             target = time_target()
             run = {**time_pass(), "target": target}
-            print(
-                f"  pass {i}: {run['total']:.3f} s, {run['claimed']}/{run['ready']} claimed"
-                + "".join(
-                    f", {k} {run[k]:.3f}"
-                    for k in ("book", "snapshot", "plan", "claims", "wait", "target")
-                ),
-                flush=True,
-            )
             if i:
                 runs.append(run)
         rows.append({**summarize_pass(clusters, workers, made["scores"], runs), "history": history})
@@ -470,11 +452,6 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[dict]:
             assigned = max(first(w, marks, "assigned") for w in group) - freed
             start = max(first(w, marks, "started") for w in group) - freed
             results.append({"k": k, "assigned_ms": assigned * 1000, "started_ms": start * 1000})
-            print(
-                f"  trial {trial}: {k} members, AssignJob at all {assigned * 1000:.1f} ms,"
-                f" StartCluster at all {start * 1000:.1f} ms",
-                flush=True,
-            )
             await until(finished)
     finally:
         for w in everyone:

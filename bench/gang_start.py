@@ -1,20 +1,21 @@
-"""Gang start on real agents, a deep queue of clusters, and a connected fleet's idle cost.
+"""Gang start on real agents, a deep queue of clusters, a connected fleet's idle cost, and the
+agent's own member start.
 
-    .venv/bin/python bench/gang_start.py [--trials N] [--queued 100,1000] [--window 300]
-                                         [--idle-secs S] [--simulated N] [--only PART]
-                                         [--profile PY_SPY] [--write docs/benchmarks.md]
-
-Parts: idle (8 agents, then --simulated reference workers), start (clusters of 2, 3, 4 onto
-idle agents), sustained (each --queued depth of clusters of 3). --profile PY_SPY (with --only
-sustained) logs every statement of the bench database and records py-spy on daphne and Celery,
-and prints what it found; the figures then carry that overhead. The method is in
-docs/benchmarks.md, "Gang start on agents and a deep cluster queue".
+Parts (--only, comma-separated): idle (8 agents, then --simulated reference workers), start
+(clusters of 2, 3, 4 onto idle agents), sustained (each --queued depth of clusters of 3), all
+three written as `bench/run gang-start-agents`; agent (clusters of 2, 4, 8), written as
+`bench/run agent`. --profile PY_SPY (with --only sustained) logs every statement of the bench
+database and records py-spy on daphne and Celery, and prints what it found; the figures then
+carry that overhead. The methods are in docs/benchmarks.md, "Gang start on agents and a deep
+cluster queue" and "Worker agent: member start".
 """
 
 import contextlib
+import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,42 +23,66 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from datetime import datetime
+from io import StringIO
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import _common as common
-from bench import agent as agents
 
 REDIS_DB = 6
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_gang"
 SECTION = "## Gang start on agents and a deep cluster queue"
-BENCH = "gang-start-agents"
 AGENTS = 8
 SIZES = (2, 3, 4)
+AGENT_SIZES = (2, 4, 8)
+PARTS = ("idle", "start", "sustained", "agent")
 START_MEDIAN_MS, START_P95_MS = 35.0, 50.0
 CONTROL_MS, WHOLE_MS, FLAT_SHARE, IDLE_MS = 10.0, 25.0, 0.10, 8.0
+SPREAD_TARGET_MS, AGENT_START_MS = 20.0, 50.0
 MEMBER_SECS = 0.3
 CONTROL = ("daphne", "celery worker", "beat", "postgres", "redis")
 PG_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
+PROJECT = "bench-agent"
+START_EVENT = "start_cluster"  # the agent's JSON log line when it handles StartCluster
+# What the server reads and an agent needs not: its members would inherit it.
+SERVER_ONLY = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
 
 
 class Stack:
     """Redis, daphne, Celery and the agents, on the bench database."""
 
     def __init__(self, tmp: Path, redis_port: int):
+        from gradient.jobs.models import Project
+
         self.tmp = tmp
         self.procs = common.Processes(common.process_env(), tmp / "logs")
         redis = self.procs.start("redis", "redis-server", "--port", str(redis_port), "--save", "")
         common.until(lambda: redis.poll() is None and listening(redis_port), 30.0, "Redis")
-        self.workers = agents.make_workers(AGENTS, tmp)
-        self.names = [name for name, _ in self.workers]
+        Project.objects.create(name=PROJECT)
+        self.names = [f"agent-{i}" for i in range(AGENTS)]
+        common.make_workers(self.names)
         self.url = self.procs.url
 
     def start(self) -> None:
         self.procs.daphne()
         self.procs.celery()
-        self.agents = agents.start_agents(self.procs, self.url, self.workers, self.tmp)
+        agent = str(common.VENV_BIN / "gradient-worker")
+        env = {k: v for k, v in self.procs.env.items() if k not in SERVER_ONLY}
+        for name in self.names:
+            token = self.tmp / f"{name}.token"
+            token.write_text(common.token(name))
+            token.chmod(0o600)
+            self.procs.start(
+                name,
+                *(agent, "--url", self.url, "--builds", "1", "--log-format", "json"),
+                *("--token-file", str(token), "--workdir", str(self.tmp / name)),
+                *("--endpoint", f"127.0.0.1:{common.free_port()}", "--zone", "bench"),
+                env=env,
+            )
+        every = lambda: common.connected(self.names) == AGENTS  # noqa: E731
+        common.until(every, 60.0, "every agent connected")
+        self.agents = self.procs.pids(*self.names)
 
     def stop_agents(self) -> None:
         for proc, _ in self.procs.procs:
@@ -68,10 +93,15 @@ class Stack:
         p = self.procs.pids
         groups = {"daphne": p("daphne"), "celery worker": p("celery-worker")}
         groups |= {"beat": p("celery-beat"), "redis": p("redis")}
-        return common.CpuMeter(groups, exclude_backends=[backend_pid()])
+        return common.CpuMeter(groups, exclude_backends=[common.backend_pid()])
 
     def agents_cpu(self) -> float:
         return sum(common.cpu_secs(pid, children=False) for pid in self.agents)
+
+    def events(self) -> list[dict]:
+        """Every agent's JSON log lines."""
+        lines = (line for name in self.names for line in self.procs.log_text(name).splitlines())
+        return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def listening(port: int) -> bool:
@@ -80,14 +110,6 @@ def listening(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
         return True
     return False
-
-
-def backend_pid() -> int:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        return cursor.fetchone()[0]
 
 
 def measured(stack: Stack, wait) -> dict:
@@ -140,13 +162,52 @@ def connected_count(prefix: str) -> int:
 # Gang start
 
 
-def gang_trials(stack: Stack, trials: int) -> list[dict]:
-    """Clusters of each size one at a time, each with the time of its commit."""
+def cluster_file(k: int, starts: Path) -> Path:
+    """The cluster as submit_cluster --file takes it: k build members, each writing the time
+    it starts (sh and date: no interpreter to load) into STARTS/ASSIGNMENT_ID."""
+    write_time = f'exec date +%s.%N > {shlex.quote(str(starts))}/"$GRADIENT_ASSIGNMENT_ID"'
+    member = {"role": "node", "kind": "build", "command": ["sh", "-c", write_time]}
+    path = starts.parent / f"cluster-{k}.json"
+    path.write_text(json.dumps({"project": PROJECT, "members": [member] * k}))
+    return path
+
+
+def trial(path: Path, starts: Path) -> dict:
+    """Submit one cluster and wait until it completes: its submission time and, per member,
+    its assignment id and the time its process wrote."""
+    from django.core.management import call_command
+
+    from clusters.models import ClusterJob, ClusterStatus
+    from gradient.jobs.models import DispatchedJob
+
+    out = StringIO()
+    submitted = time.time()
+    call_command("submit_cluster", "--file", str(path), stdout=out)
+    cluster = json.loads(out.getvalue())["cluster"]
+
+    def finished():
+        status = ClusterJob.objects.values_list("status", flat=True).get(pk=cluster)
+        return None if status in (ClusterStatus.QUEUED, ClusterStatus.RUNNING) else status
+
+    status = common.until(finished, 30.0, f"end of cluster {cluster}")
+    if status != ClusterStatus.COMPLETED:
+        raise RuntimeError(f"cluster {cluster} ended {status}")
+    seats = DispatchedJob.objects.filter(cluster_attempt__cluster_job_id=cluster)
+    members = [
+        {"assignment": str(pk), "running": float((starts / str(pk)).read_text())}
+        for pk in seats.values_list("pk", flat=True)
+    ]
+    return {"submitted": submitted, "members": members}
+
+
+def trials(stack: Stack, sizes: tuple, count: int, pause: float) -> tuple[list[dict], float]:
+    """`count` clusters of each size one at a time, after one of the largest (not counted),
+    each with the time of its commit; and the agents' CPU seconds over the counted ones."""
     from clusters import submission
 
-    starts = stack.tmp / "starts"
+    starts = stack.tmp / f"starts-{'-'.join(map(str, sizes))}"
     starts.mkdir()
-    files = {k: agents.cluster_file(k, starts, stack.tmp) for k in SIZES}
+    files = {k: cluster_file(k, starts) for k in sizes}
     commits: list[float] = []
     wake = submission.wake_dispatch
 
@@ -156,24 +217,25 @@ def gang_trials(stack: Stack, trials: int) -> list[dict]:
 
     submission.wake_dispatch = marked_wake
     try:
-        agents.trial(files[max(SIZES)], starts)  # warm-up, not counted
+        trial(files[max(sizes)], starts)
+        cpu = stack.agents_cpu()
         results = []
-        for k in SIZES:
-            for _ in range(trials):
-                time.sleep(0.3)  # every agent idle again, its RequestJob answered
-                results.append({"k": k, **agents.trial(files[k], starts), "commit": commits[-1]})
+        for k in sizes:
+            for _ in range(count):
+                time.sleep(pause)
+                results.append({"k": k, **trial(files[k], starts), "commit": commits[-1]})
+        cpu = stack.agents_cpu() - cpu
     finally:
         submission.wake_dispatch = wake
     received = {
         e["assignment_id"]: datetime.fromisoformat(e["time"]).timestamp()
-        for e in agents.agent_events(stack.procs, stack.names)
-        if e["event"] == agents.START_EVENT
+        for e in stack.events()
+        if e["event"] == START_EVENT
     }
     for r in results:
-        last_start = max(received[m["assignment"]] for m in r["members"])
-        r["start_cluster_ms"] = (last_start - r["commit"]) * 1000
-        r["running_ms"] = (max(m["running"] for m in r["members"]) - r["commit"]) * 1000
-    return results
+        for m in r["members"]:
+            m["received"] = received[m["assignment"]]
+    return results, cpu
 
 
 # Sustained
@@ -186,7 +248,7 @@ def submit_all(count: int) -> None:
     job = JobSpec(kind="build", command=["sleep", str(MEMBER_SECS)])
     members = [MemberSpec(role="node", job=job)] * 3
     for _ in range(count):
-        submit_cluster(agents.PROJECT, members)
+        submit_cluster(PROJECT, members)
 
 
 def completed_members() -> int:
@@ -211,7 +273,7 @@ def sustained(stack: Stack, queued: int, window: int, profile: str | None) -> di
     result = measured(stack, lambda: common.until(done, 600.0, f"{goal} members", 0.2))
     if spy:
         stop_py_spy(spy)
-        result["statements"] = statements(marks, time.time(), backend_pid())
+        result["statements"] = statements(marks, time.time(), common.backend_pid())
     members = completed_members() - first
     return {"queued": queued, "members": members, "ahead": first - began, **result}
 
@@ -315,21 +377,23 @@ def run(args) -> dict:
     try:
         stack.start()
         time.sleep(5.0)  # past beat's and the pool's start-up
-        if args.only in (None, "idle"):
+        if "idle" in args.only:
             out["idle"] = idle(stack, args.idle_secs)
-        if args.only in (None, "start"):
-            out["trials"] = gang_trials(stack, args.trials)
-            print(common.table(START_HEADER, start_rows(out["trials"])), flush=True)
-        if args.only in (None, "sustained"):
+        if "start" in args.only:
+            out["trials"], _ = trials(stack, SIZES, args.trials, 0.3)  # every agent idle again
+        if "agent" in args.only:
+            out["agent"], out["agent_cpu"] = trials(stack, AGENT_SIZES, args.agent_trials, 0.0)
+            out["agent_load"] = common.load()
+        if "sustained" in args.only:
             out["sustained"] = []
             for queued in args.queued:
                 out["sustained"].append(sustained(stack, queued, args.window, args.profile))
                 out["load"].append(common.load())
-                print(common.table(SUSTAINED_HEADER, sustained_rows(out)[-1:]), flush=True)
-        if args.only in (None, "idle") and args.simulated:
+        if "idle" in args.only and args.simulated:
             out["simulated"] = idle_simulated(stack, args.simulated, args.idle_secs)
         stack.stop_agents()
         out["crashes"], out["tracebacks"] = stack.procs.problems()
+        out["agent_errors"] = sum(e["level"] == "error" for e in stack.events())
     finally:
         stack.procs.stop()
         if args.profile:
@@ -363,21 +427,84 @@ START_HEADER = (
 )
 
 
+def by_size(results: list[dict], sizes: tuple) -> dict[int, dict[str, list[float]]]:
+    """Per cluster size, in ms: from the commit to StartCluster at the last member and to every
+    member running; every member's StartCluster to running, each cluster's slowest, its spread
+    and its submission to its last member running."""
+    out = {}
+    for k in sizes:
+        ts = [t for t in results if t["k"] == k]
+        running = [[m["running"] for m in t["members"]] for t in ts]
+        starts = [[(m["running"] - m["received"]) * 1000 for m in t["members"]] for t in ts]
+        out[k] = {
+            "start_cluster": [
+                (max(m["received"] for m in t["members"]) - t["commit"]) * 1000 for t in ts
+            ],
+            "running": [(max(r) - t["commit"]) * 1000 for t, r in zip(ts, running, strict=True)],
+            "member": [ms for s in starts for ms in s],
+            "slowest": [max(s) for s in starts],
+            "spread": [(max(r) - min(r)) * 1000 for r in running],
+            "submitted": [
+                (max(r) - t["submitted"]) * 1000 for t, r in zip(ts, running, strict=True)
+            ],
+        }
+    return out
+
+
+def cells(x: dict, *keys: tuple[str, float]) -> list[str]:
+    """Each (key, p): the p-th percentile of x[key], in ms."""
+    return [f"{common.percentile(x[key], p):.1f}" for key, p in keys]
+
+
 def start_rows(trials: list[dict]) -> list[list]:
-    rows = []
-    for k in SIZES:
-        sc = [t["start_cluster_ms"] for t in trials if t["k"] == k]
-        run_ = [t["running_ms"] for t in trials if t["k"] == k]
-        rows.append([k, len(sc), *(f"{f(xs):.1f}" for xs in (sc, run_) for f in (med, p95))])
-    return rows
+    keys = (("start_cluster", 50), ("start_cluster", 95), ("running", 50), ("running", 95))
+    return [[k, len(x["running"]), *cells(x, *keys)] for k, x in by_size(trials, SIZES).items()]
 
 
-def med(xs: list[float]) -> float:
-    return common.percentile(xs, 50)
+AGENT_HEADER = (
+    "members | clusters | StartCluster to running, median ms | p95 ms"
+    " | slowest member, median ms | spread first to last, median ms | p95 ms"
+    " | submitted to last running, median ms"
+)
 
 
-def p95(xs: list[float]) -> float:
-    return common.percentile(xs, 95)
+def agent_rows(trials: list[dict]) -> list[list]:
+    keys = (("member", 50), ("member", 95), ("slowest", 50), ("spread", 50), ("spread", 95))
+    keys += (("submitted", 50),)
+    return [
+        [k, len(x["spread"]), *cells(x, *keys)] for k, x in by_size(trials, AGENT_SIZES).items()
+    ]
+
+
+def worst(trials: list[dict], sizes: tuple, key: str, p: float = 50) -> tuple[int, float]:
+    """The size whose `key` has the largest p-th percentile, and that percentile."""
+    got = {k: common.percentile(x[key], p) for k, x in by_size(trials, sizes).items()}
+    k = max(got, key=got.get)
+    return k, got[k]
+
+
+def agent_figures(trials: list[dict]) -> list[common.Figure]:
+    over = ", ".join(map(str, AGENT_SIZES))
+    (k1, spread), (k2, slowest) = (
+        worst(trials, AGENT_SIZES, "spread"),
+        worst(trials, AGENT_SIZES, "slowest"),
+    )
+    return [
+        common.Figure(
+            f"agent: spread between a cluster's first and last member process start, median"
+            f" (worst of {over} members)",
+            f"< {SPREAD_TARGET_MS:.0f} ms",
+            f"{spread:.1f} ms ({k1} members)",
+            spread < SPREAD_TARGET_MS,
+        ),
+        common.Figure(
+            f"agent: every member's process running after its StartCluster, median of the"
+            f" slowest (worst of {over} members)",
+            f"< {AGENT_START_MS:.0f} ms",
+            f"{slowest:.1f} ms ({k2} members)",
+            slowest < AGENT_START_MS,
+        ),
+    ]
 
 
 SUSTAINED_HEADER = " | ".join(
@@ -408,25 +535,23 @@ def sustained_rows(out: dict) -> list[list]:
 def figures(out: dict) -> list[common.Figure]:
     found = []
     if trials := out.get("trials"):
-        worst = {}
-        for k in SIZES:
-            xs = [t["running_ms"] for t in trials if t["k"] == k]
-            worst[k] = (med(xs), p95(xs))
-        k1 = max(SIZES, key=lambda k: worst[k][0])
-        k2 = max(SIZES, key=lambda k: worst[k][1])
+        (k1, median), (k2, p95) = (
+            worst(trials, SIZES, "running"),
+            worst(trials, SIZES, "running", 95),
+        )
         over = "worst of 2, 3, 4 members"
         found += [
             common.Figure(
                 f"gang start on agents: commit to every member running, median ({over})",
                 f"< {START_MEDIAN_MS:.0f} ms",
-                f"{worst[k1][0]:.1f} ms ({k1} members)",
-                worst[k1][0] < START_MEDIAN_MS,
+                f"{median:.1f} ms ({k1} members)",
+                median < START_MEDIAN_MS,
             ),
             common.Figure(
                 f"gang start on agents: commit to every member running, p95 ({over})",
                 f"< {START_P95_MS:.0f} ms",
-                f"{worst[k2][1]:.1f} ms ({k2} members)",
-                worst[k2][1] < START_P95_MS,
+                f"{p95:.1f} ms ({k2} members)",
+                p95 < START_P95_MS,
             ),
         ]
     if runs := out.get("sustained"):
@@ -491,14 +616,16 @@ def idle_rows(out: dict) -> list[list]:
 
 def main() -> None:
     parser = common.parser(__doc__, DATABASE_URL, REDIS_DB, settle_load=1.5)
+    parser.add_argument("--only", default="idle,start,sustained", help="parts: " + ",".join(PARTS))
     parser.add_argument("--trials", type=int, default=30, help="gang-start clusters per size")
+    parser.add_argument("--agent-trials", type=int, default=100, help="agent: clusters per size")
     parser.add_argument("--queued", default="100,1000", help="sustained: clusters queued")
     parser.add_argument("--window", type=int, default=300, help="sustained: members timed")
     parser.add_argument("--idle-secs", type=float, default=30.0)
     parser.add_argument("--simulated", type=int, default=1000, help="idle reference workers")
-    parser.add_argument("--only", choices=("idle", "start", "sustained"))
     parser.add_argument("--profile", metavar="PY_SPY", help="log statements, record py-spy")
     args = parser.parse_args()
+    args.only = args.only.split(",")
     args.queued = common.parse_ints(args.queued)
     args.redis_port = common.free_port()
     # The stack's Redis is a server of the script's own, so that its CPU is the stack's alone:
@@ -507,6 +634,23 @@ def main() -> None:
     common.start(args)
     common.raise_open_files(args.simulated)
     out = run(args)
+    crashes = [common.crash_fact(len(out["crashes"]), out["tracebacks"])]
+    crashed = bool(out["crashes"])
+    if "agent" in out:
+        jobs = sum(t["k"] for t in out["agent"])
+        common.finish(
+            args,
+            "agent",
+            "## Worker agent: member start",
+            common.table(AGENT_HEADER, agent_rows(out["agent"])),
+            [
+                f"Agent CPU: {out['agent_cpu'] * 1000 / jobs:.1f} ms per job ({jobs} jobs).",
+                f"{crashes[0]} Agent log lines at level error: {out['agent_errors']}.",
+            ],
+            agent_figures(out["agent"]),
+            load=f"{out['load'][0]} at the start, {out['agent_load']} at the end",
+        )
+        crashed = crashed or bool(out["agent_errors"])
     tables = [
         common.table(header, rows())
         for key, header, rows in (
@@ -516,17 +660,18 @@ def main() -> None:
         )
         if key in out
     ]
-    load = ", ".join(out["load"])
-    common.finish(
-        args,
-        BENCH,
-        SECTION,
-        "\n\n".join(tables),
-        [common.crash_fact(len(out["crashes"]), out["tracebacks"])],
-        figures(out),
-        load=f"{load}, at the start and after each depth",
-        crashed=bool(out["crashes"]),
-    )
+    if tables:
+        load = ", ".join(out["load"])
+        common.finish(
+            args,
+            "gang-start-agents",
+            SECTION,
+            "\n\n".join(tables),
+            crashes,
+            figures(out),
+            load=f"{load}, at the start and after each depth",
+        )
+    sys.exit(1 if crashed else 0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,5 @@
 """Worker health: a fleet with flaky workers runs clusters with quarantine on and off.
 
-    .venv/bin/python bench/health.py [--workers 50] [--flaky 5] [--clusters 200] [--size 3]
-        [--retry-budget 2] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Worker health: quarantine with a flaky share".
 """
 

@@ -1,7 +1,5 @@
 """History kept: /metrics and the admin's lists over 20,000 and 200,000 finished clusters.
 
-    .venv/bin/python bench/history.py [--sizes 20000,200000] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "History kept".
 """
 

@@ -2,10 +2,6 @@
 against the planner's cheapest seating with every (worker, member job) pair scored on the same
 snapshot.
 
-    .venv/bin/python bench/placement.py [--depths 200,2000] [--workers 200] [--warmup N]
-                                        [--passes N] [--tick S] [--job-passes LO-HI]
-                                        [--runs 3] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Placement quality".
 """
 

@@ -1,9 +1,5 @@
 """The deep queue: builds per second with 500 and 20,000 builds queued, and the depth's cost.
 
-    .venv/bin/python bench/queue_depth.py [--depths 500,20000] [--workers 100]
-                                          [--job-secs 0.2-0.6] [--warmup S] [--window S]
-                                          [--samples N] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Deep queue". The job_score bound uses
 GRADIENT_OFFER_WINDOW from the environment (default 32), which the servers started here read.
 """
@@ -12,12 +8,10 @@ import io
 import itertools
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
-from collections import Counter
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -31,7 +25,7 @@ PROJECT = "qd-builds"
 TARGET_RATE = 150.0  # builds per second, at every depth
 TARGET_SPREAD = 0.10  # the depths' rates within 10% of each other
 OFFER_WINDOW = int(os.environ.get("GRADIENT_OFFER_WINDOW", "32"))
-OBSERVE_SECS = 1.0  # the sampler's period: backends' CPU, the depth, active statements
+OBSERVE_SECS = 1.0  # the sampler's period: backends' CPU and the depth
 SHORT_SHARE = 0.01  # the feeder tops up once the queue is this much short of N
 
 
@@ -58,14 +52,6 @@ def queued() -> int:
     return DerivationBuild.objects.filter(project__name=PROJECT, status=BuildStatus.QUEUED).count()
 
 
-def backend_pid() -> int:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        return cursor.fetchone()[0]
-
-
 class DepthFeeder(common.Feeder):
     """Tops the queued builds up to `depth` whenever they are SHORT_SHARE short, every tick;
     keeps every depth it read while measuring (each just before a top-up: the lows)."""
@@ -75,46 +61,22 @@ class DepthFeeder(common.Feeder):
         self.depth = depth
         self.short = max(1, round(depth * SHORT_SHARE))
         self.seen: list[int] = []
-        self.submitted = 0
         self.backend: int | None = None  # its PostgreSQL backend: the bench's, not the stack's
 
     def top_up(self) -> None:
         if self.backend is None:
-            self.backend = backend_pid()
+            self.backend = common.backend_pid()
         n = queued()
         if self.measuring:
             self.seen.append(n)
         if self.depth - n >= self.short:
-            self.submitted += submit(self.depth - n)
+            submit(self.depth - n)
 
 
-def score_rows() -> tuple[int, int]:
-    """job_score's rows, and those of them for builds still queued (the rest wait for the
-    pruning pass)."""
-    from django.db import connection
+def score_rows() -> int:
+    from workers.models import JobScore
 
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*), count(b.id) FROM job_score s LEFT JOIN derivation_build b"
-            " ON b.status = 'Queued' AND s.job_id = 'build:' || b.id::text"
-        )
-        return cursor.fetchone()
-
-
-def active_statements(exclude: list[int]) -> list[str]:
-    """The start of each statement a backend of the stack is running now: what PostgreSQL's
-    cores are busy with."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT left(btrim(regexp_replace(query, '\\s+', ' ', 'g')), 60)"
-            " FROM pg_stat_activity"
-            " WHERE datname = current_database() AND state = 'active'"
-            " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s)",
-            [exclude],
-        )
-        return [row[0] for row in cursor.fetchall()]
+    return JobScore.objects.count()
 
 
 def completed_since(since) -> int:
@@ -123,13 +85,13 @@ def completed_since(since) -> int:
     return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
 
 
-def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -> dict:
-    """The window, sampled from this thread: the backends' CPU, the depth and the active
-    statements every OBSERVE_SECS, job_score at --samples evenly spaced times."""
+def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
+    """The window, sampled from this thread: the backends' CPU and the depth every
+    OBSERVE_SECS, job_score at --samples evenly spaced times."""
     from django.utils import timezone
 
-    depths, scores, statements = [], [], Counter()
-    progress = []  # at each job_score count: (s into the window, builds completed, queued's rows)
+    depths, scores = [], []
+    progress = []  # at each job_score count: (s into the window, builds completed)
     step = args.window / (args.samples - 1)
     load_start = common.load()
     feeder.measuring = True
@@ -139,12 +101,10 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     while True:
         now = time.monotonic()
         if now >= next_score - 0.05:
-            rows, live = score_rows()
-            scores.append(rows)
-            progress.append((now - began, completed_since(since), live))
+            scores.append(score_rows())
+            progress.append((now - began, completed_since(since)))
             next_score += step
         depths.append(queued())
-        statements.update(active_statements(own))
         meter.observe()
         if now >= end:
             break
@@ -158,39 +118,21 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter, own: list[int]) -
     ended = common.count_by(window, "outcome")
     return {
         "window": secs,
-        "completed": ended.get("Completed", 0),
         "rate": ended.get("Completed", 0) / secs,
         "failed": ended.get("Failed", 0),
         "abandoned": ended.get("Abandoned", 0),
         "scores": scores,
         "progress": progress,
         "held": depths + feeder.seen,
-        "statements": statements,
         "cpu": {name: s / secs for name, s in cpu.items()},  # cores
         "load": f"{load_start} / {common.load()}",
     }
 
 
 def fleet_command(args, url: str) -> list[str]:
-    options = (
-        f"--count {args.workers} --prefix qd --no-eval --max-builds 1 --job-secs {args.job_secs}"
-    )
-    return [
-        str(common.VENV_BIN / "python"),
-        "manage.py",
-        "simulate_workers",
-        *options.split(),
-        "--url",
-        url,
-    ]
-
-
-def fleet_summary(log: str) -> dict:
-    """simulate_workers' JSON summary, its last line once stopped."""
-    for line in reversed(log.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {}
+    options = f"--count {args.workers} --prefix qd --no-eval --max-builds 1 --url {url}"
+    python = str(common.VENV_BIN / "python")
+    return [python, "manage.py", "simulate_workers", *options.split(), "--job-secs", args.job_secs]
 
 
 def feed_tick(args, depth: int) -> float:
@@ -201,9 +143,7 @@ def feed_tick(args, depth: int) -> float:
     return min(1.0, max(0.02, SHORT_SHARE * depth / fastest))
 
 
-def wait_connected(args, fleet) -> float:
-    began = time.monotonic()
-
+def wait_connected(args, fleet) -> None:
     def ready():
         if fleet.poll() is not None:
             raise RuntimeError(f"the fleet exited with {fleet.returncode}")
@@ -211,7 +151,6 @@ def wait_connected(args, fleet) -> float:
 
     with suppress(TimeoutError):  # measured anyway, with how many were connected
         common.until(ready, args.connect_timeout, "whole fleet", tick=0.2)
-    return time.monotonic() - began
 
 
 @contextmanager
@@ -233,38 +172,25 @@ def run_one(depth: int, args) -> dict:
     feeder = DepthFeeder(depth, feed_tick(args, depth))
     feeding = threading.Thread(target=feeder.run, name="feeder")
     with common.stack(f"queue-depth-{depth}") as procs, stopping(feeder, feeding):
-        filled = time.monotonic()
         submit(depth)
-        filled = time.monotonic() - filled
         common.analyze()
         feeding.start()
         fleet = procs.start("fleet", *fleet_command(args, procs.url))
-        connect_secs = wait_connected(args, fleet)
+        wait_connected(args, fleet)
         connected = common.connected()
         # Statistics again as the fleet's rows arrive (the database was emptied moments ago).
         common.warm_up(args.warmup)
         # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
-        own = [pid for pid in (backend_pid(), feeder.backend) if pid is not None]
+        own = [pid for pid in (common.backend_pid(), feeder.backend) if pid is not None]
         groups = {**procs.groups(), "fleet": procs.pids("fleet"), "bench_postgres": own}
         meter = common.CpuMeter(groups, this_process="bench", exclude_backends=own)
-        result = measure(args, feeder, meter, own)
+        result = measure(args, feeder, meter)
         feeder.stop.set()
         feeding.join()
         if feeder.error is not None:
             raise feeder.error
-        common.Processes.kill(fleet, signal.SIGTERM)  # it prints its summary
-        result["fleet"] = fleet_summary(procs.log_text("fleet"))
         result["crashes"], result["tracebacks"] = procs.problems()
-    result.update(
-        depth=depth,
-        connected=connected,
-        connect_secs=connect_secs,
-        fill_secs=filled,
-        tick=feeder.tick,
-        submitted=feeder.submitted,
-        logs=str(procs.logs),
-    )
-    report(result)
+    result.update(depth=depth, connected=connected, tick=feeder.tick)
     return result
 
 
@@ -272,36 +198,8 @@ def part_rates(r: dict) -> list[float]:
     """Builds completed per second in each part of the window between two job_score counts."""
     return [
         (done1 - done0) / (t1 - t0)
-        for (t0, done0, _), (t1, done1, _) in itertools.pairwise(r["progress"])
+        for (t0, done0), (t1, done1) in itertools.pairwise(r["progress"])
     ]
-
-
-def report(r: dict) -> None:
-    held = r["held"]
-    top = r["statements"].most_common(3)
-    samples = sum(r["statements"].values())
-    print(
-        f"{r['depth']:,} queued: {r['rate']:.1f} builds/s ({r['completed']} in"
-        f" {r['window']:.1f} s), job_score {r['scores']}, held {min(held)}..{max(held)},"
-        f" cores {', '.join(f'{k} {v:.2f}' for k, v in r['cpu'].items())},"
-        f" load {r['load']}; {r['connected']} connected after {r['connect_secs']:.1f} s,"
-        f" queue filled in {r['fill_secs']:.1f} s, feeder tick {r['tick']:.2f} s,"
-        f" {r['submitted']} builds fed; fleet {r['fleet']};"
-        f" {len(r['crashes'])} crash line(s), {r['tracebacks']} traceback(s); logs in {r['logs']}",
-        flush=True,
-    )
-    for ((t0, _, _), (t1, _, live)), rate in zip(
-        itertools.pairwise(r["progress"]), part_rates(r), strict=True
-    ):
-        print(
-            f"  {t0:4.0f} to {t1:3.0f} s: {rate:6.1f} builds/s;"
-            f" at {t1:.0f} s {live:,} job_score rows for queued builds",
-            flush=True,
-        )
-    for statement, n in top:
-        print(f"  active {n}/{samples} samples: {statement}", flush=True)
-    for line in r["crashes"][:5]:
-        print("  " + line, flush=True)
 
 
 def score_limit(workers: int) -> int:

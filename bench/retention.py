@@ -1,7 +1,5 @@
 """Retention pass: 100,000 finished cluster jobs past the cutoff beside active and young ones.
 
-    .venv/bin/python bench/retention.py [--repeat N] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Retention pass".
 """
 

@@ -1,8 +1,5 @@
 """What a connected session costs the server per call, at two sizes of fleet and queue.
 
-    .venv/bin/python bench/session.py [--sizes 100x500,5000x20000] [--calls N]
-                                      [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Session costs".
 """
 

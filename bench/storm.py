@@ -1,8 +1,6 @@
 """A connection storm: a fleet connects at once to the web process, which is then killed and
 started again on the same port, and every worker comes back.
 
-    .venv/bin/python bench/storm.py [--workers N] [--restarts N] [--write docs/benchmarks.md]
-
 The method is in docs/benchmarks.md, "Connection storm".
 """
 

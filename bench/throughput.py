@@ -1,9 +1,6 @@
 """Sustained throughput on the real stack: reference workers running short jobs, singles and
 clusters mixed, with the queue kept full; how many starts per second, at 100 to 1,000 workers.
 
-    .venv/bin/python bench/throughput.py [--fleets 100,200,500,1000] [--runs 3] [--warmup S]
-                                         [--window S] [--write docs/benchmarks.md]
-
 Each size runs in a process of its own (this script again, for that size). The method is in
 docs/benchmarks.md, "Sustained throughput".
 """
@@ -336,30 +333,11 @@ def run_one(count: int, args) -> dict:
     result["load"] = f"{load_before} / {common.load()}"
     result["crashes"] = crashed
     result["single_workers"], result["cluster_workers"] = n_single, n_cluster
-    print(
-        f"{count} workers: {result['member_rate']:.1f} member starts/s,"
-        f" {result['single_rate']:.1f} single starts/s over {result['window']:.1f} s"
-        f" (load {result['load']}); CPU s in the window: {cpu_text(result['cpu'])};"
-        f" {len(crashed)} crash line(s)",
-        flush=True,
-    )
-    for line in crashed[:5]:
-        print("  " + line, flush=True)
-    print(f"  a member's hops, median / p90 s: {hops_text(result)}", flush=True)
     return result
-
-
-def hops_text(r: dict) -> str:
-    hops = ", ".join(f"{k.replace('_', ' ')} {spread_text(v, 2)}" for k, v in r["hops"].items())
-    return f"{hops}; the fleet's loop late {spread_text(r['lag'], 3)}"
 
 
 def spread_text(pair, digits: int = 1) -> str:
     return "-" if pair is None else f"{pair[0]:.{digits}f} / {pair[1]:.{digits}f}"
-
-
-def cpu_text(cpu: dict) -> str:
-    return ", ".join(f"{name} {secs:.1f}" for name, secs in cpu.items())
 
 
 HEADER = (
