@@ -162,7 +162,6 @@ def run(repeat: int) -> list[dict]:
                     "batch": (*common.median_p(batches, 95), len(batches)),
                 }
             )
-            print(" | ".join(map(str, table_row(rows[-1]))), flush=True)
     return rows
 
 

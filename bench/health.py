@@ -117,7 +117,6 @@ def run_mode(after: int, args) -> dict:
         seconds = asyncio.run(serve(procs.url, members, args))
     result = tally(seconds)
     result["crashes"], _ = procs.problems()
-    print(f"quarantine after {after}: {result}", flush=True)
     return result
 
 

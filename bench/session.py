@@ -202,7 +202,6 @@ def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) 
                 **per_call,
             }
         )
-        print(" | ".join(table_row(rows[-1])), flush=True)
     return rows
 
 
