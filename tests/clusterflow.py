@@ -3,6 +3,7 @@ from the channel layer, clusters and their claims."""
 
 import time
 
+import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import connection
@@ -13,9 +14,13 @@ from clusters.coordinator import accept_assignment
 from clusters.models import ClusterAttempt
 from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import DispatchedJob
-from gradient.wire.groups import worker_group
+from gradient.wire.groups import drain_sends, worker_group
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 from workers.models import IdleSlot
+
+# The dispatch pass reads scores and claims on threads with database connections of their own,
+# which see committed rows only: a test that runs a pass commits its rows.
+committed = pytest.mark.django_db(transaction=True)
 
 
 def idle_workers(n, kinds=("eval", "build"), **fields):
@@ -41,8 +46,11 @@ class Inbox:
             self.channels[w.pk] = channel
 
     def frames(self, worker) -> list[dict]:
+        """The frames sent to the worker so far, once the sends not waited for are done (a
+        dispatch pass's)."""
         import json
 
+        drain_sends()
         out = []
         while True:
             try:

@@ -20,7 +20,7 @@ from tests.aborting import (
     waiting_cluster,
     worker_of,
 )
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 
 pytestmark = pytest.mark.usefixtures("memory_layer")
 
@@ -47,7 +47,7 @@ def test_a_cluster_without_an_open_attempt_ends_aborted_with_its_member_jobs(sta
     assert inbox.frames(workers[0]) == []
 
 
-@pytest.mark.django_db
+@committed
 def test_an_aborted_waiting_cluster_is_never_claimed():
     cluster = waiting_cluster()
     abort_cluster(cluster.pk)
@@ -75,7 +75,7 @@ def test_a_member_job_that_already_ended_keeps_its_status():
 # Preparing: an open attempt not yet started.
 
 
-@pytest.mark.django_db
+@committed
 @pytest.mark.parametrize("accepted", [(), ("eval",)], ids=["none-accepted", "one-accepted"])
 def test_a_preparing_cluster_closes_its_attempt_aborted_and_tells_every_held_member(accepted):
     cluster, rows, inbox, workers = preparing_cluster(accepted=accepted)
@@ -101,7 +101,7 @@ def test_a_preparing_cluster_closes_its_attempt_aborted_and_tells_every_held_mem
         ]
 
 
-@pytest.mark.django_db
+@committed
 def test_a_preparing_cluster_aborted_never_starts():
     cluster, rows, inbox, workers = preparing_cluster(accepted=["eval"])
     abort_cluster(cluster.pk)
@@ -118,7 +118,7 @@ def test_a_preparing_cluster_aborted_never_starts():
 # Running: a started attempt, decided with the Abort verdict.
 
 
-@pytest.mark.django_db
+@committed
 def test_a_running_cluster_is_decided_abort_and_its_running_members_get_abort_job():
     cluster, rows, inbox, workers = running_cluster(retry_budget=3)
     attempt = ClusterAttempt.objects.get(cluster_job=cluster)
@@ -139,7 +139,7 @@ def test_a_running_cluster_is_decided_abort_and_its_running_members_get_abort_jo
         assert len(frames) == 2
 
 
-@pytest.mark.django_db
+@committed
 def test_a_member_that_completed_settles_completed_and_only_the_survivor_is_aborted():
     cluster, rows, inbox, workers = running_cluster(retry_budget=3)
     assert report(rows["build"], "Completed") is None  # not primary: the attempt goes on
@@ -163,7 +163,7 @@ def test_a_member_that_completed_settles_completed_and_only_the_survivor_is_abor
     assert outcomes == {"build": "Completed", "eval": "Abandoned"}
 
 
-@pytest.mark.django_db
+@committed
 def test_the_aborted_workers_later_job_failed_reports_are_accepted_and_change_nothing():
     cluster, rows, _, _ = running_cluster()
     abort_cluster(cluster.pk)
@@ -193,7 +193,7 @@ def test_a_finished_cluster_is_refused_and_nothing_changes(status):
     assert snapshot(cluster) == before
 
 
-@pytest.mark.django_db
+@committed
 def test_a_cluster_a_report_completed_is_refused_and_its_workers_hear_nothing():
     cluster, rows, inbox, workers = running_cluster()
     assert report(rows["eval"], "Completed") == "Complete"  # the primary

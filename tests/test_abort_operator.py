@@ -20,6 +20,7 @@ from tests.aborting import (
     waiting_cluster,
     worker_of,
 )
+from tests.clusterflow import committed
 from tests.commands import manage
 
 pytestmark = pytest.mark.usefixtures("memory_layer")
@@ -50,7 +51,7 @@ def refusal(*args) -> str:
     return message
 
 
-@pytest.mark.django_db
+@committed
 def test_the_command_prints_the_aborted_cluster():
     cluster, rows, inbox, workers = running_cluster()
 
@@ -135,7 +136,7 @@ def test_the_action_asks_for_confirmation_listing_the_clusters_and_their_status(
     assert statuses(queued)[0] == ClusterStatus.QUEUED  # nothing done yet
 
 
-@pytest.mark.django_db
+@committed
 def test_confirming_aborts_the_clusters_and_skips_the_finished_ones(admin_client):
     cluster, rows, inbox, workers = preparing_cluster()
     done = waiting_cluster(status=ClusterStatus.COMPLETED)
@@ -158,7 +159,7 @@ def test_confirming_aborts_the_clusters_and_skips_the_finished_ones(admin_client
     assert [(f["type"], f["reason"]) for f in frames] == [("AbortCluster", "maintenance")]
 
 
-@pytest.mark.django_db
+@committed
 def test_a_blank_reason_names_the_user(admin_client):
     cluster, rows, inbox, workers = running_cluster()
 

@@ -2,13 +2,12 @@
 work"), on the single path and for a cluster's members, read for the jobs claimed alone."""
 
 import pytest
-from django.db import connection
-from django.test.utils import CaptureQueriesContext
+from django.db.backends.utils import CursorWrapper
 
 from clusters.dispatch import run_pass
 from gradient.jobs.models import DispatchedJob
 from sessions.request_job import offer_or_answer
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -64,6 +63,7 @@ def test_of_two_candidates_the_assignment_carries_the_claimed_ones_work():
     assert request_job(worker.pk, "build").assign.message.job.command == ["second"]
 
 
+@committed
 def test_each_member_of_a_claimed_cluster_is_assigned_its_own_work(memory_layer):
     cluster = ClusterFactory()
     EvalMemberFactory(
@@ -88,6 +88,7 @@ def test_each_member_of_a_claimed_cluster_is_assigned_its_own_work(memory_layer)
     assert work_of(frames["client"]) == {"command": ["client"], "env": {}, "timeout_secs": None}
 
 
+@committed
 def test_a_member_without_work_is_assigned_with_none(memory_layer):
     cluster = ClusterFactory()
     EvalMemberFactory(cluster_job=cluster)
@@ -98,7 +99,23 @@ def test_a_member_without_work_is_assigned_with_none(memory_layer):
     assert work_of(frame) == NO_WORK
 
 
-def test_only_the_claims_read_the_work(memory_layer):
+@pytest.fixture
+def statements(monkeypatch) -> list[str]:
+    """Every statement run from here on, on any thread's connection: the dispatch pass claims
+    on threads of its own."""
+    seen: list[str] = []
+    execute = CursorWrapper._execute
+
+    def recorded(cursor, sql, params, *args):
+        seen.append(sql)
+        return execute(cursor, sql, params, *args)
+
+    monkeypatch.setattr(CursorWrapper, "_execute", recorded)
+    return seen
+
+
+@committed
+def test_only_the_claims_read_the_work(memory_layer, statements):
     """The head (read for every RequestJob and offer), the cluster book and the planner's
     reads (every pass) carry no work column: only the claim statements do, for the jobs they
     took."""
@@ -108,12 +125,12 @@ def test_only_the_claims_read_the_work(memory_layer):
     waiting(BuildMemberFactory(cluster_job=cluster, derivation_build__command=["y" * 60_000]))
     worker = WorkerFactory()
     [seat] = idle_workers(1, kinds=("build",))
-    with CaptureQueriesContext(connection) as seen:
-        offer, assign = offer_or_answer(worker.pk, "build", worker)
-        assert run_pass().claimed == [cluster.pk]
+    statements.clear()
+    offer, assign = offer_or_answer(worker.pk, "build", worker)
+    assert run_pass().claimed == [cluster.pk]
+    reading = [sql for sql in statements if "command" in sql]
     assert assign.job_id == single.job_key
     assert {j.job_id for j in offer.jobs} == {single.job_key, cluster.members.get().job_key}
-    reading = [q["sql"] for q in seen.captured_queries if "command" in q["sql"]]
     assert len(reading) == 2  # the single claim, the cluster claim
     assert all("INSERT INTO dispatched_job" in sql for sql in reading)
     assert DispatchedJob.objects.get(worker=seat).job_id == cluster.members.get().job_key

@@ -15,13 +15,13 @@ from clusters.wake import WAKE_KEY, _client, clusters_waiting, wake_dispatch
 from gradient.errors import NotAllowed
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from gradient.wire.protocol import MemberRef
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.concurrency import race
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.assignment import record_idle
 from workers.models import IdleSlot, Worker
 
-pytestmark = pytest.mark.django_db
+pytestmark = committed
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +36,7 @@ def two_member_cluster(**kwargs):
     return cluster
 
 
+@pytest.mark.django_db
 def test_a_queued_cluster_whose_members_can_start_is_in_the_book():
     ready = two_member_cluster()
     held_back = two_member_cluster()
@@ -50,6 +51,7 @@ def test_a_queued_cluster_whose_members_can_start_is_in_the_book():
     ]
 
 
+@pytest.mark.django_db
 def test_prioritized_clusters_come_first_then_the_oldest():
     old, new = two_member_cluster(), two_member_cluster()
     urgent = two_member_cluster()
@@ -82,6 +84,7 @@ def test_a_pass_claims_the_cluster_takes_the_seats_and_sends_each_a_held_assignm
     assert attempt.started_at is None
 
 
+@pytest.mark.django_db
 def test_a_seat_whose_worker_went_busy_since_the_snapshot_loses_the_claim():
     from clusters import planner
     from clusters.dispatch import snapshot
@@ -180,7 +183,6 @@ def test_the_roster_names_every_seat_with_its_role_index_and_worker_in_roster_or
         assert start["roster"] == expected
 
 
-@pytest.mark.django_db(transaction=True)
 def test_two_last_acceptances_at_once_start_the_attempt_once_and_send_one_start_each():
     for _ in range(10):
         cluster = two_member_cluster()
@@ -303,6 +305,7 @@ def test_signals_from_outsiders_or_outside_a_started_attempt_are_dropped():
         coordinator.forward_signal(rows[0].worker_id, attempt, MemberRef(role="db", index=0), 1)
 
 
+@pytest.mark.django_db
 def test_a_wake_up_is_worth_a_pass_only_while_a_cluster_waits_for_seats():
     assert not clusters_waiting()  # nothing queued: an idle worker's RequestJob wakes nothing
     cluster = two_member_cluster()
@@ -317,6 +320,7 @@ def test_a_wake_up_is_worth_a_pass_only_while_a_cluster_waits_for_seats():
     assert clusters_waiting()  # queued again after a failed prepare
 
 
+@pytest.mark.django_db
 def test_a_wake_up_while_a_pass_is_queued_asks_nothing_of_the_database(
     django_assert_num_queries,
 ):

@@ -1,6 +1,6 @@
-"""The dispatch pass outside a transaction, as in Celery: the cheapest scores are read on one
-thread and the claims made on another while the planner seats clusters on the calling one.
-It must place and claim exactly what the planner alone places."""
+"""The dispatch pass on its threads: the cheapest scores are read on one thread and the claims
+made on others while the planner seats clusters on the calling one. It must place and claim
+exactly what the planner alone places."""
 
 import random
 
@@ -13,7 +13,6 @@ from clusters.dispatch import CLAIM_BATCH, run_pass, snapshot
 from clusters.models import ClusterAttempt
 from clusters.scores import SCORE_CHUNK, CheapestScores
 from gradient.jobs.models import DispatchedJob
-from gradient.wire.groups import drain_sends
 from tests.clusterflow import Inbox, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory
 from workers.models import JobScore
@@ -70,7 +69,6 @@ def test_a_pass_on_its_threads_claims_what_the_planner_alone_places():
     expected = planner.plan(snapshot(startable_clusters(now), now))
     assert len(expected) == count
     result = run_pass()
-    drain_sends()  # the pass sends its AssignJobs without waiting for them
     assert result.claimed == [p.cluster_id for p in expected]  # in the planner's order
     seated = dict(DispatchedJob.objects.values_list("job_id", "worker_id"))
     assert seated == {s.member.key: s.worker.id for p in expected for s in p.seats}

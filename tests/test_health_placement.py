@@ -15,7 +15,7 @@ from clusters.explain import explain
 from clusters.models import ClusterAttempt, ClusterJob
 from clusters.reservation import active_reservation
 from gradient.jobs.models import DispatchedJob
-from tests.clusterflow import idle_workers, make_cluster, seated_claim_for
+from tests.clusterflow import committed, idle_workers, make_cluster, seated_claim_for
 from tests.factories import BuildFactory, BuildMemberFactory, ClusterFactory, WorkerFactory
 from tests.planning import cluster as planned_cluster
 from tests.planning import member, snapshot, worker
@@ -50,6 +50,7 @@ def test_the_planner_gives_quarantined_as_the_reason_and_never_seats_it():
     assert planner.plan(only_sick) == []
 
 
+@committed
 def test_a_pass_seats_the_members_on_the_healthy_workers_only():
     sick, *_ = idle_workers(3)
     health.quarantine(sick, "flaky")
@@ -58,6 +59,7 @@ def test_a_pass_seats_the_members_on_the_healthy_workers_only():
     assert sick.pk not in seated(cluster)
 
 
+@committed
 def test_a_cluster_waits_rather_than_sit_on_a_quarantined_worker():
     sick, well = idle_workers(2)
     health.quarantine(sick, None)
@@ -85,6 +87,7 @@ def test_a_claim_refuses_a_seat_whose_worker_was_quarantined_after_the_snapshot(
     assert claim_cluster(claim)
 
 
+@committed
 def test_a_lapsed_automatic_quarantine_seats_members_again():
     sick, _ = idle_workers(2)
     now = timezone.now()
@@ -117,6 +120,7 @@ def overdue_cluster():
     )
 
 
+@committed
 def test_a_reservation_never_takes_a_quarantined_worker():
     overdue_cluster()
     busy = [WorkerFactory(channel_name="live", last_seen_at=timezone.now()) for _ in range(3)]
@@ -126,6 +130,7 @@ def test_a_reservation_never_takes_a_quarantined_worker():
     assert seats == {busy[1].pk, busy[2].pk}
 
 
+@committed
 def test_a_reservation_whose_seat_is_quarantined_is_released():
     overdue_cluster()
     busy = [WorkerFactory(channel_name="live", last_seen_at=timezone.now()) for _ in range(2)]
@@ -134,6 +139,7 @@ def test_a_reservation_whose_seat_is_quarantined_is_released():
     assert run_pass().reservation == "released: a seat's worker was quarantined"
 
 
+@committed
 def test_the_pass_does_not_ask_a_quarantined_worker_for_its_scores(settings):
     settings.GRADIENT = {**settings.GRADIENT, "SCORE_WAIT_MS": 60_000}
     sick, *_ = idle_workers(3)

@@ -11,6 +11,7 @@ from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
 from gradient.wire.protocol import MAX_LOG_TAIL_BYTES
 from sessions import reports
 from tests.aborting import running_cluster, statuses
+from tests.clusterflow import committed
 from tests.commands import run
 from tests.factories import BuildFactory, ProjectFactory, WorkerFactory
 from tests.test_commands_refusals import refusal, table_contents
@@ -71,6 +72,7 @@ def test_a_refused_report_keeps_nothing():
     assert kept(assignment) == (None, None, None, None)
 
 
+@committed
 def test_a_members_reports_keep_their_output_as_they_settle(memory_layer):
     cluster, rows, _, _ = running_cluster(retry_budget=1)  # the evaluation is primary
     client, server = rows["build"], rows["eval"]
@@ -93,6 +95,7 @@ def test_a_members_reports_keep_their_output_as_they_settle(memory_layer):
     )
 
 
+@committed
 def test_a_survivors_report_after_the_verdict_keeps_its_output_and_changes_nothing_else(
     memory_layer,
 ):

@@ -19,7 +19,7 @@ from gradient.jobs.transitions import advance_evaluation
 from sessions.connection import detach
 from sessions.liveness import disconnect_silent_workers
 from tests.aborting import report, statuses
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.concurrency import Outcomes, frozen_connection, race, skewed
 from tests.factories import (
     BuildMemberFactory,
@@ -60,7 +60,7 @@ def start_attempt(cluster):
     return rows, inbox, workers
 
 
-@pytest.mark.django_db
+@committed
 def test_a_member_report_holds_back_its_job_until_the_attempt_is_decided():
     cluster, rows, _, _ = started_cluster()
     assert report(rows["build"], "Completed") is None
@@ -78,7 +78,7 @@ def test_a_member_report_holds_back_its_job_until_the_attempt_is_decided():
     assert ClusterAttempt.objects.get().outcome == AttemptOutcome.SUCCEEDED
 
 
-@pytest.mark.django_db
+@committed
 def test_the_primary_completes_the_cluster_and_aborts_its_companions():
     cluster, rows, inbox, workers = started_cluster(primary="server")
     assert report(rows["eval"], "Completed") == "Complete"
@@ -92,7 +92,7 @@ def test_the_primary_completes_the_cluster_and_aborts_its_companions():
     assert DispatchedJob.objects.get(pk=rows["build"].pk).outcome == "Abandoned"
 
 
-@pytest.mark.django_db
+@committed
 def test_a_completed_member_is_requeued_when_a_sibling_fails():
     cluster, rows, _, _ = started_cluster(retry_budget=1)
     report(rows["eval"], "Completed")
@@ -101,7 +101,7 @@ def test_a_completed_member_is_requeued_when_a_sibling_fails():
     assert ClusterAttempt.objects.get().outcome == AttemptOutcome.FAILED
 
 
-@pytest.mark.django_db
+@committed
 def test_a_spent_budget_turns_requeueing_kinds_permanent():
     cluster, rows, _, _ = started_cluster(retry_budget=0)
     assert report(rows["build"], "Failed", "transient") == "Fail"
@@ -112,7 +112,7 @@ def test_a_spent_budget_turns_requeueing_kinds_permanent():
     )
 
 
-@pytest.mark.django_db
+@committed
 def test_a_report_racing_the_resolution_is_settled_late_by_the_verdict():
     cluster, rows, _, _ = started_cluster(retry_budget=1)
     assert report(rows["build"], "Failed", "transient") == "Retry"
@@ -123,7 +123,7 @@ def test_a_report_racing_the_resolution_is_settled_late_by_the_verdict():
         report(rows["build"], "Completed")  # reported already
 
 
-@pytest.mark.django_db
+@committed
 def test_an_abort_decides_the_attempt_and_tells_every_survivor():
     cluster, rows, inbox, workers = started_cluster(retry_budget=3)
     report(rows["eval"], "Completed")
@@ -137,7 +137,7 @@ def test_an_abort_decides_the_attempt_and_tells_every_survivor():
     assert [f["type"] for f in inbox.frames(client)] == ["AbortCluster"]
 
 
-@pytest.mark.django_db
+@committed
 def test_an_abort_the_server_did_not_order_is_a_failure_retried_within_the_budget():
     cluster, rows, _, _ = started_cluster(retry_budget=1)
     assert report(rows["build"], "Failed", "aborted") == "Retry"
@@ -152,7 +152,7 @@ def test_an_abort_the_server_did_not_order_is_a_failure_retried_within_the_budge
     )
 
 
-@pytest.mark.django_db
+@committed
 @pytest.mark.parametrize("outcome", ["Completed", "Failed"])
 def test_an_evaluation_abort_that_reached_a_member_decides_abort(outcome):
     cluster, rows, inbox, workers = started_cluster(retry_budget=3)
@@ -169,7 +169,7 @@ def test_an_evaluation_abort_that_reached_a_member_decides_abort(outcome):
     assert [f["type"] for f in inbox.frames(told)] == ["AbortCluster"]
 
 
-@pytest.mark.django_db
+@committed
 def test_retry_budget_bounds_retries_not_the_per_evaluation_assignment_budget(settings):
     settings.GRADIENT = {**settings.GRADIENT, "MAX_JOB_ATTEMPTS": 2}
     cluster, rows, _, _ = started_cluster(retry_budget=3)
@@ -187,7 +187,7 @@ def test_retry_budget_bounds_retries_not_the_per_evaluation_assignment_budget(se
     )
 
 
-@pytest.mark.django_db
+@committed
 def test_a_disconnect_reports_a_member_lost_into_the_verdict_never_as_a_single_job():
     """Members count as tracked while their attempt is open: the abandoned-dispatch sweep
     (sessions.connection.abandon_single_assignments, on a disconnect) leaves them alone."""
@@ -204,7 +204,7 @@ def test_a_disconnect_reports_a_member_lost_into_the_verdict_never_as_a_single_j
     )
 
 
-@pytest.mark.django_db
+@committed
 def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
     """The verdict abandons every open row as it decides: a companion told AbortCluster whose
     worker never answers leaves nothing to reap when the worker is declared gone."""
@@ -223,7 +223,7 @@ def test_no_member_row_waits_for_an_abort_to_be_confirmed(settings):
     )
 
 
-@pytest.mark.django_db(transaction=True)
+@committed
 def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_once():
     outcomes = Outcomes("the sweep decided", "the report decided")
     for i in outcomes.rounds(at_least=100, at_most=200):
@@ -245,7 +245,7 @@ def test_the_sweep_reaping_an_aborted_member_and_a_siblings_report_decide_abort_
         assert not DispatchedJob.objects.filter(finished_at__isnull=True).exists()
 
 
-@pytest.mark.django_db(transaction=True)
+@committed
 def test_simultaneous_reports_decide_the_attempt_once():
     for _ in range(100):
         cluster, rows, _, _ = started_cluster(retry_budget=1)
@@ -262,7 +262,7 @@ def test_simultaneous_reports_decide_the_attempt_once():
         type(cluster).objects.filter(pk=cluster.pk).update(status=ClusterStatus.FAILED)
 
 
-@pytest.mark.django_db(transaction=True)
+@committed
 def test_of_simultaneous_completions_the_later_sees_the_earlier_and_decides():
     # Neither member is primary: only the report that finds its sibling done decides.
     for _ in range(100):
@@ -279,7 +279,7 @@ def test_of_simultaneous_completions_the_later_sees_the_earlier_and_decides():
         )
 
 
-@pytest.mark.django_db(transaction=True)
+@committed
 def test_a_frozen_holder_of_the_attempt_costs_a_report_a_bounded_wait(settings):
     settings.GRADIENT = {**settings.GRADIENT, "CLAIM_LOCK_TIMEOUT_MS": 300}
     _, rows, _, _ = started_cluster()

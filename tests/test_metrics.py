@@ -27,7 +27,7 @@ from gradient.jobs.models import DispatchedJob
 from gradient.logs import JsonFormatter, ids
 from gradient.redis_db import redis_url
 from gradient.wire.protocol import MemberRef
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 from workers.models import IdleSlot
 
@@ -87,7 +87,7 @@ def started_cluster():
     return cluster, rows
 
 
-@pytest.mark.django_db
+@committed
 def test_the_metrics_follow_a_cluster_from_queued_to_started_to_completed():
     before = scrape()
     cluster, rows = started_cluster()
@@ -125,7 +125,7 @@ def test_the_metrics_follow_a_cluster_from_queued_to_started_to_completed():
     assert value(done, "gradient_cluster_queued_to_started_seconds_sum") == pytest.approx(wait)
 
 
-@pytest.mark.django_db
+@committed
 def test_a_failed_prepare_is_timed_apart_from_started_ones():
     cluster = ClusterFactory()
     EvalMemberFactory(cluster_job=cluster, role="server")
@@ -151,7 +151,7 @@ def cumulative(samples) -> dict:
     return {k: v for k, v in samples.items() if k[0].startswith(names)}
 
 
-@pytest.mark.django_db
+@committed
 def test_the_retention_pass_deleting_clusters_never_lowers_a_counter(settings):
     settings.GRADIENT = {**settings.GRADIENT, "RETENTION_DAYS": 1}
     completed, rows = started_cluster()
@@ -206,7 +206,7 @@ def test_idle_slots_and_connected_workers_reflect_the_rows(settings):
     assert value(samples, "gradient_connected_workers") == 3
 
 
-@pytest.mark.django_db
+@committed
 def test_every_dispatch_pass_that_runs_is_timed_and_a_skipped_one_is_not():
     assert value(scrape(), "gradient_dispatch_pass_seconds_count") == 0
     result = run_pass()
@@ -225,7 +225,7 @@ def test_every_dispatch_pass_that_runs_is_timed_and_a_skipped_one_is_not():
     assert value(scrape(), "gradient_dispatch_pass_seconds_count") == 1
 
 
-@pytest.mark.django_db
+@committed
 def test_forwarded_signals_are_counted():
     _, rows = started_cluster()
     assert value(scrape(), "gradient_signals_forwarded_total") == 0
@@ -262,7 +262,7 @@ async def test_a_signal_the_session_refuses_is_counted_as_dropped():
     assert value(samples, "gradient_signals_forwarded_total") == 0
 
 
-@pytest.mark.django_db
+@committed
 def test_a_redis_outage_breaks_neither_the_pass_nor_the_signals_nor_the_scrape(settings, caplog):
     _, rows = started_cluster()
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
@@ -329,7 +329,7 @@ def test_the_json_formatter_emits_the_ids_passed_in_extra():
     assert not {"cluster", "attempt", "worker"} & set(second)
 
 
-@pytest.mark.django_db
+@committed
 def test_the_passes_log_the_cluster_attempt_and_workers_they_act_on(caplog):
     caplog.set_level(logging.INFO)
     cluster, rows = started_cluster()

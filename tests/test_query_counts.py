@@ -23,7 +23,7 @@ from gradient.jobs.models import (
 from gradient.jobs.steps import FETCH_STEPS
 from sessions import reports
 from sessions.request_job import offer_or_answer
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -201,7 +201,7 @@ def test_accepting_a_single_job_is_one_query():
         reports.job_accepted(WorkerFactory().pk, assign.job_id)
 
 
-@pytest.mark.django_db
+@committed
 def test_a_members_acceptance_is_one_statement_and_so_is_the_last_ones_start(memory_layer):
     cluster = ClusterFactory()
     EvalMemberFactory(cluster_job=cluster, role="server")
@@ -244,7 +244,7 @@ def reported(row, *failure_kind):
     return counted(report, row.worker_id, row.job_id, str(row.pk), *failure_kind)[1]
 
 
-@pytest.mark.django_db
+@committed
 def test_a_members_completion_decides_or_not_in_a_few_round_trips(memory_layer):
     cluster, rows = started_members()
     sql = reported(rows["build"])
@@ -260,7 +260,7 @@ def test_a_members_completion_decides_or_not_in_a_few_round_trips(memory_layer):
     assert Evaluation.objects.get().status == EvaluationStatus.COMPLETED
 
 
-@pytest.mark.django_db
+@committed
 def test_a_members_failure_pays_no_query_to_tell_it_from_a_single(memory_layer):
     cluster, rows = started_members()
     sql = reported(rows["build"], "transient")

@@ -16,7 +16,7 @@ from clusters.models import ClusterAttempt, ClusterJob, ClusterReservation
 from clusters.reservation import active_reservation, due, first_target, note_waiting, reserve
 from gradient.jobs.models import DerivationBuild, DispatchedJob
 from sessions.request_job import answer_request
-from tests.clusterflow import Inbox, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers
 from tests.concurrency import rows_locked
 from tests.factories import (
     BuildFactory,
@@ -27,7 +27,7 @@ from tests.factories import (
 )
 from workers.models import IdleSlot
 
-pytestmark = pytest.mark.django_db
+pytestmark = committed
 
 
 @pytest.fixture(autouse=True)
@@ -307,7 +307,6 @@ def test_other_clusters_plan_over_the_unreserved_idle_workers():
     assert old.pk == active_reservation().cluster_job_id
 
 
-@pytest.mark.django_db(transaction=True)
 def test_the_clocks_skip_a_row_another_transaction_holds():
     held, free = cluster_aged(0), cluster_aged(0)
     ClusterJob.objects.update(waiting_since=None)
@@ -320,7 +319,6 @@ def test_the_clocks_skip_a_row_another_transaction_holds():
     assert waiting_since(held) is not None
 
 
-@pytest.mark.django_db(transaction=True)
 def test_a_single_claimed_while_a_reservation_commits_was_dispatched_before_its_stamp():
     # A claim cannot see a reservation before it commits. So the stamp that says "from here on
     # no single job" must come after the commit, or a seat's single claimed in between would

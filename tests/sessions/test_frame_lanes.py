@@ -277,11 +277,14 @@ async def place_a_member(session):
     """A cluster of one build member, placed by a pass on the session's idle slot: its held
     AssignJob."""
     from clusters.dispatch import run_pass
+    from gradient.wire.groups import drain_sends
     from tests.factories import BuildMemberFactory, ClusterFactory
 
     def submit():
         BuildMemberFactory(cluster_job=ClusterFactory(), role="only")
-        return run_pass().claimed
+        claimed = run_pass().claimed
+        drain_sends()  # the pass's AssignJob is in the session's channel when this returns
+        return claimed
 
     assert len(await q(submit)) == 1
     held = await session.recv_type("AssignJob")

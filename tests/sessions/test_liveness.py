@@ -8,6 +8,7 @@ from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
 from gradient.jobs.transitions import advance_build
 from sessions.liveness import disconnect_silent_workers
+from tests.clusterflow import committed
 from tests.factories import BuildFactory, WorkerFactory
 from tests.sessions.session_db import q
 from workers import liveness
@@ -37,7 +38,7 @@ def test_a_silent_worker_is_disconnected_and_its_single_jobs_requeued(settings, 
     assert disconnect_silent_workers(now) == []
 
 
-@pytest.mark.django_db
+@committed
 def test_a_silent_workers_cluster_member_is_never_requeued_as_a_single_job(settings, memory_layer):
     """Members count as tracked while their attempt is open: the sweep does not abandon them
     as single jobs; their loss goes into the attempt's verdict instead."""
