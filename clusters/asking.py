@@ -159,9 +159,8 @@ class Asking:
                     for worker_id, jobs in self.items.items()
                 ],
                 event="worker.offer",
-                # A lost offer only makes its cluster wait the score wait out. (Inside a
-                # caller's transaction, as in tests, sent before the pass returns.)
-                wait=connection.in_atomic_block,
+                # A lost offer only makes its cluster wait the score wait out.
+                wait=False,
             )
             self.items.clear()
         if self.rounds:

@@ -60,7 +60,8 @@ def snapshot(
     """What the planner needs, read in a few queries of plain rows: the connected workers
     with a live idle slot (but for the `reserved` ones), and each member job's cheapest
     scores, with a loader for the rest (all_scores). With `stream`, the scores are
-    still being read on their own thread when this returns (CheapestScores.finish waits)."""
+    still being read on their own thread when this returns (CheapestScores.finish waits);
+    without, they are read before it returns, for a caller that plans once and stops."""
     keys = [m.key for c in clusters for m in c.members]
     idle, access = fleet(now, idle_only=True, reserved=reserved)
     avoid: dict[int, frozenset[int]] = {}
@@ -77,10 +78,9 @@ def snapshot(
     idle_id = {w.name: w.pk for w in idle}
     pins = {m.key: idle_id.get(m.pin) for c in clusters for m in c.members if m.pin is not None}
     scores = CheapestScores(keys if idle else [], pins=pins)
-    if stream and not connection.in_atomic_block:
+    if stream:
         scores.start()
     else:
-        # Inside a transaction of the caller's (tests), whose rows no other connection sees.
         scores.read()
     return planner.Snapshot(
         clusters=tuple(planned_cluster(c, avoid.get(c.id, frozenset())) for c in clusters),
@@ -187,9 +187,8 @@ def claim_placements(placements: tuple[planner.Placement, ...], rows: dict, sinc
             claimed.add(placement.cluster_id)
     if frames:
         # Not waited for: the claims are committed, and a claimer thread waiting on its
-        # sends would hold the next batch back. (In a caller's transaction, as in tests, sent
-        # before this returns.)
-        send_frames(frames, wait=connection.in_atomic_block)
+        # sends would hold the next batch back.
+        send_frames(frames, wait=False)
     return claimed
 
 
@@ -199,21 +198,15 @@ def _claim_on_thread(placements, rows: dict, since) -> set[int]:
 
 
 def _claim_all(placements: Iterable[planner.Placement], rows: dict, since):
-    """Claim the placements in batches as the planner yields them (three at a time); every
-    placement, and the clusters claimed. Inside a transaction of the caller's (tests), whose
-    rows no other connection sees, the batches are claimed on the caller's connection
-    instead."""
-    inline = connection.in_atomic_block
+    """Claim the placements in batches on the claimer threads as the planner yields them
+    (three at a time); every placement, and the clusters claimed."""
     placed: list[planner.Placement] = []
     claimed: set[int] = set()
     pending = []
     try:
         for batch in batched(placements, CLAIM_BATCH):
             placed += batch
-            if inline:
-                claimed |= claim_placements(batch, rows, since)
-            else:
-                pending.append(_claimer.submit(_claim_on_thread, batch, rows, since))
+            pending.append(_claimer.submit(_claim_on_thread, batch, rows, since))
     finally:
         # Even when planning failed: the pass ends (and lets the next one in) after its claims.
         wait(pending)
