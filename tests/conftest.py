@@ -50,9 +50,9 @@ def _place_without_waiting_for_scores(settings):
 @pytest.fixture
 def analyzed(db):
     """ANALYZE of the cluster, job and score tables, for a test that reads plans over many
-    rows. The row counts outlive the test's rolled-back rows: at its end the tables are
-    emptied (inside its transaction) and analyzed again, so that the tests after it plan as
-    for the tables they find."""
+    rows. The row counts outlive the test's rows, rolled back or not: at its end the tables
+    are emptied and analyzed again, so that the tests after it plan as for the tables they
+    find."""
     from django.db import connection
 
     tables = "cluster_job, cluster_attempt, cluster_member, evaluation, derivation_build, job_score"
