@@ -1,5 +1,6 @@
 """Clusters of an evaluation ("server") and a build ("client") in each stage an abort meets,
-and how to read them back, for the abort tests."""
+and how to read them back, for the abort tests. A dispatch pass claims the preparing and
+running ones: the tests that make them commit their rows (tests.clusterflow.committed)."""
 
 from clusters import coordinator
 from clusters.dispatch import run_pass
