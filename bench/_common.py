@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import timeit
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -153,23 +154,11 @@ def count_by(rows, field: str) -> dict:
     return dict(rows.values_list(field).annotate(n=Count("pk")))
 
 
-def connected(names: list[str] | None = None) -> int:
-    """How many workers (of these names) a session holds."""
+def connected(prefix: str = "") -> int:
+    """How many workers (named PREFIX...) a session holds."""
     from workers.models import Worker
 
-    rows = Worker.objects.filter(channel_name__isnull=False)
-    return (rows if names is None else rows.filter(name__in=names)).count()
-
-
-# A dispatch pass's result as Celery logs it (clusters.dispatch.PassResult's fields).
-PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in ([0-9.]+)s: (\{.*\})")
-
-
-def passes(log: str) -> list[dict]:
-    """Every dispatch pass in a Celery worker's log: its result, and the task's seconds."""
-    import ast
-
-    return [{**ast.literal_eval(m[2]), "task_secs": float(m[1])} for m in PASS_LINE.finditer(log)]
+    return Worker.objects.filter(channel_name__isnull=False, name__startswith=prefix).count()
 
 
 def settle(below: float, most_secs: float = 300.0) -> None:
@@ -202,14 +191,8 @@ def machine() -> str:
         cursor.execute("SHOW server_version")
         pg = cursor.fetchone()[0]
     # How fast this shared host runs Python right now: the best of three runs of a fixed loop.
-    loop = min(_timed_loop() for _ in range(3))
+    loop = min(timeit.repeat("sum(range(10_000_000))", number=1, repeat=3))
     return f"{os.cpu_count()} cores (reference loop {loop:.2f} s), PostgreSQL {pg.split()[0]}"
-
-
-def _timed_loop() -> float:
-    began = time.perf_counter()
-    sum(range(10_000_000))
-    return time.perf_counter() - began
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -219,12 +202,6 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
 
 def parse_ints(text: str) -> list[int]:
     return [int(n) for n in text.split(",")]
-
-
-def parse_range(text: str) -> tuple[float, float]:
-    """ "LO-HI" (or "N") -> (LO, HI)."""
-    lo, _, hi = text.partition("-")
-    return float(lo), float(hi or lo)
 
 
 # The stack: daphne and Celery as real processes

@@ -80,7 +80,7 @@ class Stack:
                 *("--endpoint", f"127.0.0.1:{common.free_port()}", "--zone", "bench"),
                 env=env,
             )
-        every = lambda: common.connected(self.names) == AGENTS  # noqa: E731
+        every = lambda: common.connected("agent-") == AGENTS  # noqa: E731
         common.until(every, 60.0, "every agent connected")
         self.agents = self.procs.pids(*self.names)
 
@@ -148,15 +148,9 @@ def idle_simulated(stack: Stack, count: int, secs: float) -> dict:
         *(str(common.VENV_BIN / "python"), "manage.py", "simulate_workers"),
         *("--count", str(count), "--prefix", "idle", "--url", stack.url),
     )
-    common.until(lambda: connected_count("idle-") == count, 120.0, f"{count} connected", 0.5)
+    common.until(lambda: common.connected("idle-") == count, 120.0, f"{count} connected", 0.5)
     time.sleep(10.0)  # past the connect storm and each one's first resend
     return measured(stack, lambda: time.sleep(secs))
-
-
-def connected_count(prefix: str) -> int:
-    from workers.models import Worker
-
-    return Worker.objects.filter(name__startswith=prefix, channel_name__isnull=False).count()
 
 
 # Gang start

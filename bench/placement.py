@@ -29,6 +29,7 @@ SAME_ZONE_SHARE = 1 / 3
 BUILD_ONLY_EVERY = 4  # every 4th worker takes builds only
 HEARTBEAT_SECS = 10  # a free slot's RequestJob is resent this often (protocol's InitAck)
 VACUUM_SECS = 5
+JOB_PASSES = (3, 10)  # a claimed cluster runs this many passes
 SEED = 18
 
 
@@ -41,11 +42,7 @@ class Pass:
     seats: int = 0
     unscored: int = 0  # seats placed without a score
     placements: int = 0
-    held: int = 0  # clusters it offered and did not claim
-    waiting: bool = False  # it asked to run again for clusters held for scores
     unseated: int = 0  # clusters full scoring could not seat (left out of both sums)
-    pairs: int = 0  # (idle worker, member) pairs that could seat the claimed clusters
-    scored_pairs: int = 0  # ... of which had a score when the pass ran
 
 
 @dataclass
@@ -53,12 +50,10 @@ class Run:
     depth: int
     workers: int
     passes: list[Pass] = field(default_factory=list)
-    pass_secs: list[float] = field(default_factory=list)
     ticks: int = 0
     outside: int = 0  # seats on a worker the snapshot did not have
     mismatched: int = 0  # seats whose recorded score was not the scorer's
     load: str = ""
-    wall: float = 0.0  # seconds for the depth, set-up included
     run: int = 0  # which run of its depth (0: the only one)
 
 
@@ -190,11 +185,6 @@ FROM cluster_attempt a JOIN dispatched_job d ON d.cluster_attempt_id = a.id
 WHERE a.cluster_job_id = ANY(%s) AND a.finished_at IS NULL
 """
 
-# Who had scored these jobs.
-SCORED_SQL = """
-SELECT job_id, array_agg(worker_id) FROM job_score
-WHERE job_id = ANY(%s) AND missing_nar_size IS NOT NULL GROUP BY job_id
-"""
 
 # The offers a pass made: rows without a score written since it began.
 OFFERED_SQL = """
@@ -219,28 +209,15 @@ def full_scoring(fleet: Fleet, queue: Queue, snap, clusters: tuple) -> dict[int,
     return {p.cluster_id: p.cost for p in planner.plan(reference)}
 
 
-def measure(run: Run, fleet: Fleet, queue: Queue, snap, seats: dict, held: int, waiting: bool):
-    """One pass's figures: its claimed clusters' seats against full scoring, and how many of
-    the pairs that could seat them had a score (read before the pass's offers are answered)."""
-    from django.db import connection
-
-    from clusters import planner
-
-    clusters = tuple(c for c in snap.clusters if c.id in seats)  # in the pass's order
+def measure(run: Run, fleet: Fleet, queue: Queue, snap, seats: dict):
+    """One pass's figures: its claimed clusters' seats against full scoring."""
     # Full scoring plans the book as the pass did, the clusters it held included (they kept
     # their seats in the pass too), up to the last one claimed: those after it cannot change
     # what the planner gives the ones before.
     last = max((i for i, c in enumerate(snap.clusters) if c.id in seats), default=-1)
     reference = full_scoring(fleet, queue, snap, snap.clusters[: last + 1])
     in_snapshot = {w.id for w in snap.workers}
-    figures = Pass(held=held, waiting=waiting)
-    with connection.cursor() as cursor:
-        cursor.execute(SCORED_SQL, [[m.key for c in clusters for m in c.members]])
-        scored = {key: set(workers) for key, workers in cursor.fetchall()}
-    for c in clusters:
-        for member, able in zip(c.members, planner.eligible(c.members, snap.workers), strict=True):
-            figures.pairs += len(able)
-            figures.scored_pairs += len(able & scored.get(member.key, set()))
+    figures = Pass()
     for cluster_id, rows in seats.items():
         if cluster_id not in reference:
             figures.unseated += 1
@@ -260,8 +237,8 @@ def measure(run: Run, fleet: Fleet, queue: Queue, snap, seats: dict, held: int, 
 class Running:
     """The claimed clusters, accepted and running until their end."""
 
-    def __init__(self, job_passes: tuple[int, int], rng: random.Random):
-        self.job_passes, self.rng = job_passes, rng
+    def __init__(self, rng: random.Random):
+        self.rng = rng
         self.ends: list[tuple[int, list]] = []  # (the tick it ends at, seat rows)
 
     def start(self, seats: dict[int, list], now: int) -> None:
@@ -270,7 +247,7 @@ class Running:
         for rows in seats.values():
             for _, worker_id, key, _ in rows:
                 reports.job_accepted(worker_id, key)  # the last one starts the attempt
-            self.ends.append((now + self.rng.randint(*self.job_passes), rows))
+            self.ends.append((now + self.rng.randint(*JOB_PASSES), rows))
 
     def finish_due(self, now: int) -> dict[int, list[str]]:
         """JobCompleted from every seat of the clusters whose run ended; the slots freed."""
@@ -301,22 +278,17 @@ def tick(run: Run, fleet: Fleet, queue: Queue, running: Running, measuring: bool
     queue.top_up(run.depth)
     began = timezone.now()
     snap = dispatch.snapshot(startable_clusters(began), began, reservation.reserved_workers())
-    started = time.perf_counter()
     result = dispatch.run_pass()
-    run.pass_secs.append(time.perf_counter() - started)
     with connection.cursor() as cursor:
         cursor.execute(OFFERED_SQL, [began])
         offers = cursor.fetchall()
-        cursor.execute("SELECT id FROM cluster_job WHERE offered_at >= %s", [began])
-        offered = {row[0] for row in cursor.fetchall()}
         seats = defaultdict(list)
         if result.claimed:
             cursor.execute(SEATS_SQL, [result.claimed])
             for cluster_id, *row in cursor.fetchall():
                 seats[cluster_id].append(row)
     if measuring:
-        held = len(offered - set(result.claimed))
-        measure(run, fleet, queue, snap, seats, held, result.waiting_for_scores)
+        measure(run, fleet, queue, snap, seats)
     for worker_id, keys in offers:
         fleet.answer(worker_id, [(key, queue.paths[key]) for key in keys])
     for rows in seats.values():
@@ -329,7 +301,6 @@ def tick(run: Run, fleet: Fleet, queue: Queue, running: Running, measuring: bool
 def run_one(depth: int, args) -> Run:
     from gradient.jobs.models import Project
 
-    started = time.monotonic()
     common.ensure_database()
     common.flush_redis()
     rng = random.Random(SEED)
@@ -339,7 +310,7 @@ def run_one(depth: int, args) -> Run:
     common.analyze()
     for worker in fleet.workers.values():
         fleet.ask(worker.pk, fleet.slots(worker))
-    running = Running(args.job_passes, rng)
+    running = Running(rng)
     run = Run(depth, args.workers)
     vacuumed = time.monotonic()
     while run.ticks < args.warmup + args.passes:
@@ -351,19 +322,8 @@ def run_one(depth: int, args) -> Run:
         time.sleep(max(0.0, args.tick - (time.monotonic() - began)))
     run.load = common.load()
     common.flush_redis()
-    run.wall = time.monotonic() - started
     print(f"  {depth:,} queued, {run.workers} workers: " + ", ".join(map(str, row(run)[2:])))
     return run
-
-
-def ratios(run: Run) -> list[float]:
-    """Per pass that placed something: its chosen bytes over full scoring's (1 when both are
-    nothing; a pass where only full scoring fetched nothing has no ratio)."""
-    return [
-        p.chosen / p.reference if p.reference else 1.0
-        for p in run.passes
-        if p.placements and (p.reference or not p.chosen)
-    ]
 
 
 def totals(run: Run) -> dict:
@@ -375,13 +335,12 @@ def totals(run: Run) -> dict:
 
 HEADER = (
     "queued clusters | workers | passes (placing) | placements / seats | chosen GiB"
-    " | full scoring GiB | chosen / full | per pass median / p95 | unscored seats"
-    " | pairs scored | held for scores (clusters / passes) | pass median s | wall s | load"
+    " | full scoring GiB | chosen / full | unscored seats | load"
 )
 
 
 def row(run: Run) -> list:
-    t, r = totals(run), ratios(run)
+    t = totals(run)
     gib = 1 << 30
     return [
         f"{run.depth:,}" + (f", run {run.run}" if run.run else ""),
@@ -391,12 +350,7 @@ def row(run: Run) -> list:
         f"{t['chosen'] / gib:,.0f}",
         f"{t['reference'] / gib:,.0f}",
         f"{t['ratio']:.3f}",
-        f"{common.percentile(r, 50):.3f} / {common.percentile(r, 95):.3f}" if r else "-",
         f"{t['unscored'] / max(t['seats'], 1):.1%}",
-        f"{t['scored_pairs'] / max(t['pairs'], 1):.1%}",
-        f"{t['held']:,} / {t['waiting']}",
-        f"{statistics.median(run.pass_secs):.3f}",
-        f"{run.wall:.0f}",
         run.load,
     ]
 
@@ -424,17 +378,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="passes before measuring")
     parser.add_argument("--passes", type=int, default=25, help="passes measured per depth")
     parser.add_argument("--tick", type=float, default=0.5, help="seconds between passes at least")
-    parser.add_argument(
-        "--job-passes",
-        type=common.parse_range,
-        default=(3, 10),
-        metavar="LO-HI",
-        help="a run's length",
-    )
     args = parser.parse_args()
-    args.job_passes = tuple(map(int, args.job_passes))
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
     common.start(args)
     common.in_memory_layer()  # the bench reads what the pass wrote instead
     runs = []

@@ -5,14 +5,13 @@ GRADIENT_OFFER_WINDOW from the environment (default 32), which the servers start
 """
 
 import io
-import itertools
 import json
 import os
 import statistics
 import sys
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,19 +78,12 @@ def score_rows() -> int:
     return JobScore.objects.count()
 
 
-def completed_since(since) -> int:
-    from gradient.jobs.models import DispatchedJob
-
-    return DispatchedJob.objects.filter(finished_at__gte=since, outcome="Completed").count()
-
-
 def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
     """The window, sampled from this thread: the backends' CPU and the depth every
     OBSERVE_SECS, job_score at --samples evenly spaced times."""
     from django.utils import timezone
 
     depths, scores = [], []
-    progress = []  # at each job_score count: (s into the window, builds completed)
     step = args.window / (args.samples - 1)
     load_start = common.load()
     feeder.measuring = True
@@ -102,10 +94,9 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
         now = time.monotonic()
         if now >= next_score - 0.05:
             scores.append(score_rows())
-            progress.append((now - began, completed_since(since)))
             next_score += step
         depths.append(queued())
-        meter.observe()
+        meter.observe()  # the backends that close meanwhile
         if now >= end:
             break
         time.sleep(max(0.0, min(now + OBSERVE_SECS, next_score, end) - time.monotonic()))
@@ -122,7 +113,6 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
         "failed": ended.get("Failed", 0),
         "abandoned": ended.get("Abandoned", 0),
         "scores": scores,
-        "progress": progress,
         "held": depths + feeder.seen,
         "cpu": {name: s / secs for name, s in cpu.items()},  # cores
         "load": f"{load_start} / {common.load()}",
@@ -153,16 +143,6 @@ def wait_connected(args, fleet) -> None:
         common.until(ready, args.connect_timeout, "whole fleet", tick=0.2)
 
 
-@contextmanager
-def stopping(feeder: DepthFeeder, feeding: threading.Thread):
-    try:
-        yield
-    finally:
-        feeder.stop.set()
-        if feeding.is_alive():
-            feeding.join()
-
-
 def run_one(depth: int, args) -> dict:
     from django.core.management import call_command
 
@@ -171,7 +151,7 @@ def run_one(depth: int, args) -> dict:
     call_command("create_project", PROJECT, stdout=io.StringIO())
     feeder = DepthFeeder(depth, feed_tick(args, depth))
     feeding = threading.Thread(target=feeder.run, name="feeder")
-    with common.stack(f"queue-depth-{depth}") as procs, stopping(feeder, feeding):
+    with common.stack(f"queue-depth-{depth}") as procs:
         submit(depth)
         common.analyze()
         feeding.start()
@@ -180,13 +160,14 @@ def run_one(depth: int, args) -> dict:
         connected = common.connected()
         # Statistics again as the fleet's rows arrive (the database was emptied moments ago).
         common.warm_up(args.warmup)
-        # The bench's own backends (a None would make `NOT pid = ANY(...)` exclude every pid).
-        own = [pid for pid in (common.backend_pid(), feeder.backend) if pid is not None]
-        groups = {**procs.groups(), "fleet": procs.pids("fleet"), "bench_postgres": own}
-        meter = common.CpuMeter(groups, this_process="bench", exclude_backends=own)
-        result = measure(args, feeder, meter)
-        feeder.stop.set()
-        feeding.join()
+        own = [p for p in (common.backend_pid(), feeder.backend) if p]  # the bench's
+        groups = {**procs.groups(), "fleet": procs.pids("fleet")}
+        meter = common.CpuMeter(groups, exclude_backends=own)
+        try:
+            result = measure(args, feeder, meter)
+        finally:
+            feeder.stop.set()
+            feeding.join()
         if feeder.error is not None:
             raise feeder.error
         result["crashes"], result["tracebacks"] = procs.problems()
@@ -194,25 +175,14 @@ def run_one(depth: int, args) -> dict:
     return result
 
 
-def part_rates(r: dict) -> list[float]:
-    """Builds completed per second in each part of the window between two job_score counts."""
-    return [
-        (done1 - done0) / (t1 - t0)
-        for (t0, done0), (t1, done1) in itertools.pairwise(r["progress"])
-    ]
-
-
 def score_limit(workers: int) -> int:
     return workers * 2 * OFFER_WINDOW
 
 
 HEADER = (
-    "builds queued (N) | builds completed/s"
-    " | builds/s in the window's first / last part (steady if alike)"
-    " | job_score rows: max / median | queue held: min / max | jobs failed / abandoned"
-    " | cores used: daphne, Celery, PostgreSQL, fleet"
-    " | cores used by the bench: feeder and sampler / their PostgreSQL backends"
-    " | load average (start / end)"
+    "builds queued (N) | builds completed/s | job_score rows: max / median"
+    " | queue held: min / max | jobs failed / abandoned"
+    " | cores used: daphne, Celery, PostgreSQL, fleet | load average (start / end)"
 )
 
 
@@ -225,12 +195,10 @@ def rows(results: list[dict], workers: int) -> list[list]:
             [
                 f"{r['depth']:,}{short}",
                 f"{r['rate']:.1f}",
-                f"{part_rates(r)[0]:.1f} / {part_rates(r)[-1]:.1f}",
                 f"{max(r['scores']):,} / {statistics.median(r['scores']):,.0f}",
                 f"{min(r['held']):,} / {max(r['held']):,}",
                 f"{r['failed']} / {r['abandoned']}",
                 ", ".join(f"{cpu[k]:.2f}" for k in ("daphne", "celery", "postgres", "fleet")),
-                f"{cpu['bench']:.2f} / {cpu['bench_postgres']:.2f}",
                 r["load"],
             ]
         )
@@ -283,8 +251,6 @@ def main() -> None:
     parser.add_argument("--job-secs", default="0.2-0.6", metavar="LO-HI")
     parser.add_argument("--samples", type=int, default=7, help="job_score counts in the window")
     args = parser.parse_args()
-    if args.samples < 2:
-        parser.error("--samples must be at least 2 (the window's start and end)")
     common.start(args)
     results = [run_one(n, args) for n in common.parse_ints(args.depths)]
     crashes = sum(len(r["crashes"]) for r in results)

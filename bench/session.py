@@ -189,20 +189,11 @@ def bench_size(workers: int, queued: int, calls: int, redis, database_url: str) 
     fleet = populate(workers, queued)
     first = first_requests(fleet)
     meter = Meter(redis, database_url)
-    rows = []
-    for name, call in operations(fleet, first["offered"]).items():
-        per_call = timed(call, calls, meter)
-        rows.append(
-            {
-                "operation": name,
-                "workers": workers,
-                "queued": queued,
-                "calls": calls,
-                "job_score": first["job_score"],
-                **per_call,
-            }
-        )
-    return rows
+    size = {"workers": workers, "queued": queued, "calls": calls, "job_score": first["job_score"]}
+    return [
+        {"operation": name, **size, **timed(call, calls, meter)}
+        for name, call in operations(fleet, first["offered"]).items()
+    ]
 
 
 HEADER = (
@@ -216,15 +207,11 @@ def cpu(r: dict) -> float:
 
 
 def table_row(r: dict) -> list:
+    sizes = [f"{r[k]:,}" for k in ("workers", "queued", "calls")]
     return [
         r["operation"],
-        f"{r['workers']:,}",
-        f"{r['queued']:,}",
-        f"{r['calls']:,}",
-        f"{r['wall']:.3f}",
-        f"{r['process']:.3f}",
-        f"{r['postgres']:.3f}",
-        f"{r['redis']:.3f}",
+        *sizes,
+        *(f"{r[k]:.3f}" for k in ("wall", "process", "postgres", "redis")),
         f"{cpu(r):.3f}",
     ]
 

@@ -45,11 +45,6 @@ class Tally:
         # follows the slot's release to the member's AssignJob, and from that AssignJob to the
         # StartCluster.
         self.waits: dict[str, list[tuple[float, float]]] = {"idle": [], "held": []}
-        # A member's hops on the wall clock (the database's too): its assignment id -> when
-        # its AssignJob came and when its acceptance went. And the fleet's loop lag, (when,
-        # seconds late), since a lagging loop delays both.
-        self.hops: dict[str, list[float | None]] = {}
-        self.lag: list[tuple[float, float]] = []
 
     def between(self, kind: str, since: float, until: float) -> int:
         return sum(since <= t < until for t in self.starts[kind])
@@ -59,7 +54,7 @@ class Tally:
 
 
 def counting_worker_class(tally: Tally):
-    from gradient.wire.protocol import AssignJobResponse, JobScores
+    from gradient.wire.protocol import JobScores
     from workers.simulator import SimulatedWorker
 
     class CountingWorker(SimulatedWorker):
@@ -85,7 +80,6 @@ def counting_worker_class(tally: Tally):
             since = self.free_since.pop(assign.job.kind, None)
             if assign.cluster is not None:
                 self.assigned_at[assign.job_id] = now
-                tally.hops[assign.assignment_id] = [time.time(), None]
                 if since is not None:
                     tally.waits["idle"].append((now, now - since))
             await super()._on_assign(assign)
@@ -104,10 +98,6 @@ def counting_worker_class(tally: Tally):
 
         async def _send(self, message):
             sent = await super()._send(message)
-            if sent and isinstance(message, AssignJobResponse) and message.accepted:
-                job = self.jobs.get(message.job_id)
-                if job is not None and job.assignment_id in tally.hops:
-                    tally.hops[job.assignment_id][1] = time.time()
             if sent and isinstance(message, JobScores):
                 tally.events["scored_pairs"] += len(message.scores)  # the pairs this worker scored
                 # A worker takes one project's jobs: the singles' or the clusters' members.
@@ -123,37 +113,6 @@ def counting_worker_class(tally: Tally):
                 self.errors.append(fields)
 
     return CountingWorker
-
-
-async def watch_lag(tally: Tally, tick: float = 0.1) -> None:
-    """How late the fleet's loop wakes from a sleep of `tick`: what delays every frame it
-    reads or writes."""
-    while True:
-        began = time.monotonic()
-        await asyncio.sleep(tick)
-        now = time.monotonic()
-        tally.lag.append((now, now - began - tick))
-
-
-def member_hops(hops: dict, since: float, until: float) -> dict:
-    """Where a member's time goes between its claim and its acceptance's record, for the
-    members whose AssignJob came in the window (wall clock): claim to AssignJob (the pass's
-    commit, the channel layer, daphne, the socket, the fleet's loop), AssignJob to the answer
-    (the fleet), the answer to the record (the socket, daphne, its acceptance threads)."""
-    from gradient.jobs.models import DispatchedJob
-
-    seen = {a: t for a, t in hops.items() if since <= t[0] < until and t[1] is not None}
-    rows = DispatchedJob.objects.filter(pk__in=list(seen)).values_list(
-        "id", "dispatched_at", "accepted_at"
-    )
-    parts = {"claim_to_assign": [], "assign_to_answer": [], "answer_to_record": []}
-    for pk, dispatched, accepted in rows:
-        received, answered = seen[str(pk)]
-        parts["claim_to_assign"].append(received - dispatched.timestamp())
-        parts["assign_to_answer"].append(answered - received)
-        if accepted is not None:
-            parts["answer_to_record"].append(accepted.timestamp() - answered)
-    return {name: common.median_p(secs, 90) for name, secs in parts.items()}
 
 
 def make_workers(count: int, single_share: float) -> list[tuple[str, str]]:
@@ -246,7 +205,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
     # The fleet's process shares the cores with the stack: its collector set as the stack's.
     heap.tune()
     tasks = [asyncio.create_task(launch(i, w)) for i, w in enumerate(workers)]
-    lag = asyncio.create_task(watch_lag(tally))
     feeding = threading.Thread(target=feeder.run, name="feeder")
     feeding.start()
     try:
@@ -262,22 +220,16 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         feeder.measuring = True
         connected = sum(w.connected for w in workers)
         await asyncio.to_thread(common.closing(meter.start))
-        since, since_wall = time.monotonic(), time.time()
+        since = time.monotonic()
         before = dict(tally.events)
         await asyncio.sleep(args.window)
-        until, until_wall = time.monotonic(), time.time()
+        until = time.monotonic()
         cpu = await asyncio.to_thread(common.closing(meter.stop))
         feeder.measuring = False
         # Before the fleet stops: its disconnects abandon whatever the workers hold.
         ended = await asyncio.to_thread(outcomes)
-        # A copy taken on the loop: the fleet goes on adding hops while the thread reads them.
-        taken = dict(tally.hops)
-        hops = await asyncio.to_thread(
-            common.closing(lambda: member_hops(taken, since_wall, until_wall))
-        )
         during = {k: tally.events[k] - before.get(k, 0) for k in tally.events}
     finally:
-        lag.cancel()
         feeder.stop.set()
         await asyncio.to_thread(feeding.join)
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
@@ -305,8 +257,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "scored_member": during.get("scored_member_pairs", 0),
         "idle": tally.median_p90("idle", since, until),
         "held": tally.median_p90("held", since, until),
-        "hops": hops,
-        "lag": common.median_p((v for t, v in tally.lag if since <= t < until), 90),
         "errors": dict(errors),
         "low": dict(feeder.low),
         "cpu": cpu,
@@ -329,7 +279,6 @@ def run_one(count: int, args) -> dict:
         meter = common.CpuMeter(procs.groups(), this_process="fleet")
         result = asyncio.run(drive(procs.url, rows, args, feeder, meter))
         crashed, result["tracebacks"] = procs.problems()
-        result["passes"] = dispatch_passes(procs.log_text("celery-worker"))
     result["load"] = f"{load_before} / {common.load()}"
     result["crashes"] = crashed
     result["single_workers"], result["cluster_workers"] = n_single, n_cluster
@@ -432,47 +381,6 @@ def rows(results: list[dict]) -> list[list]:
     return out
 
 
-def dispatch_passes(log: str) -> dict:
-    """The passes that saw a ready cluster: how many, their median seconds, how many placed
-    nothing, and the median of clusters ready."""
-    seen = [r for r in common.passes(log) if r["ready"]]
-    if not seen:
-        return {"count": 0}
-    return {
-        "count": len(seen),
-        "seconds": statistics.median(r["seconds"] for r in seen),
-        "empty": sum(1 for r in seen if not r["placed"]),
-        "ready": statistics.median(r["ready"] for r in seen),
-    }
-
-
-def run_label(r: dict) -> str:
-    label = f"{r['single_workers'] + r['cluster_workers']:,} workers"
-    return label + (f" (run {r['run']})" if "run" in r else "")
-
-
-PER_RUN_HEADER = (
-    "run | passes that saw a ready cluster | pass s (median) | placing nothing"
-    " | clusters ready (median) | claim to assign s | assign to answer s | answer to record s"
-    " | fleet's loop late s"
-)
-HOPS = ("claim_to_assign", "assign_to_answer", "answer_to_record")
-
-
-def per_run_rows(results: list[dict]) -> list[list]:
-    out = []
-    for r in results:
-        p = r.get("passes", {"count": 0})
-        seen = (
-            [f"{p['count']:,}", f"{p['seconds']:.2f}", f"{p['empty']:,}", f"{p['ready']:,.0f}"]
-            if p["count"]
-            else ["0", "-", "-", "-"]
-        )
-        hops = [spread_text(r["hops"].get(k), 2) for k in HOPS]
-        out.append([run_label(r), *seen, *hops, spread_text(r["lag"], 3)])
-    return out
-
-
 def observed(results: list[dict]) -> list[str]:
     abandoned = sum(r["outcomes"]["jobs"].get("Abandoned", 0) for r in results)
     errors = Counter()
@@ -520,8 +428,6 @@ def main() -> None:
     parser.add_argument("--result-to", type=Path, help=argparse.SUPPRESS)  # one size's, as JSON
     args = parser.parse_args()
     fleets = common.parse_ints(args.fleets)
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
     common.start(args)
     if args.result_to is not None or (len(fleets) == 1 and args.runs == 1):
         common.raise_open_files(fleets[0])
@@ -537,15 +443,11 @@ def main() -> None:
                 if args.runs > 1:
                     result["run"] = run
                 results.append(result)
-    tables = [
-        common.table(HEADER, rows(results)),
-        common.table(PER_RUN_HEADER, per_run_rows(results)),
-    ]
     common.finish(
         args,
         "throughput",
         "## Sustained throughput",
-        "\n\n".join(tables),
+        common.table(HEADER, rows(results)),
         observed(results),
         figures(results),
         load="in the table",
