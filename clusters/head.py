@@ -16,10 +16,10 @@ def member_head_parts(worker, kinds=JobKind.values) -> list[str]:
         if how is None or how.fetch_only:
             continue
         column = "evaluation_id" if how.kind == JobKind.EVAL else "derivation_build_id"
-        for template, job in ((statements.MEMBER_WALK, "x"), (statements.PINNED_WALK, "j")):
+        for template in (statements.MEMBER_WALK, statements.PINNED_WALK):
             walk = template.format(
                 table=job_table(how.kind),
-                key=job_key_sql(how.kind, f"{job}.id"),
+                key=job_key_sql(how.kind, "x.id"),
                 kind=how.kind,
                 member_column=column,
                 queued=literals(how.statuses[:1]),  # a member starts from Queued only

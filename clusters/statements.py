@@ -524,57 +524,77 @@ SELECT EXISTS (SELECT 1 FROM cluster_job c WHERE c.status = '{ClusterStatus.QUEU
 """
 # The members of one kind in one range of the head for a worker (protocol.md): those of the
 # clusters waiting to start (note_waiting marks them) along idx-cluster_job-waiting (or its
-# per-project twin) in the planner's order, cluster by cluster, up to the window. Each
-# cluster's members are a subquery of their own, which its LIMIT keeps PostgreSQL from
-# flattening: joined flat, it guessed that few members of waiting clusters are queued (most
-# job rows are history) and hash-joined every member and job row. Columns as
+# per-project twin) in the planner's order, up to the window; a cluster none of whose members
+# the worker could seat takes no place in it. The clusters are cut to the window first, in a
+# subquery of their own: with the members' order in the same sort, PostgreSQL trusting stale
+# statistics (a queue analyzed nearly empty) walked the members of every waiting cluster and
+# sorted them all. Each cluster's members are a subquery with a LIMIT, which keeps PostgreSQL
+# from flattening them: joined flat, it guessed that few members of waiting clusters are queued
+# (most job rows are history) and hash-joined every member and job row. Columns as
 # workers.offers' members. (workers.head.access_sql runs one walk per range.)
+SEATABLE_MEMBERS = (
+    """
+SELECT j.id, p.name AS project, j.architecture, j.required_features, j.paths,
+       m.role, m.id AS member
+FROM cluster_member m
+JOIN {table} j ON j.id = m.{member_column}
+JOIN project p ON p.id = j.project_id
+WHERE m.cluster_job_id = c.id AND (m.pin IS NULL OR m.pin = %(name)s)
+  AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
+    + FEATURES_SQL
+    + """
+"""
+)
 MEMBER_WALK = (
     """
 SELECT {key} AS key, '{kind}'::text AS kind, x.project,
        x.architecture, x.required_features::text[] AS required_features, x.paths,
        c.prioritized, c.created_at, c.id AS cluster, x.role, x.member
-FROM cluster_job c
-CROSS JOIN LATERAL (
-    SELECT j.id, p.name AS project, j.architecture, j.required_features, j.paths,
-           m.role, m.id AS member
-    FROM cluster_member m
-    JOIN {table} j ON j.id = m.{member_column}
-    JOIN project p ON p.id = j.project_id
-    WHERE m.cluster_job_id = c.id AND (m.pin IS NULL OR m.pin = %(name)s)
-      AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
-    + FEATURES_SQL
-    + """
-    ORDER BY m.role, m.id
-    LIMIT {window}
-) x
-WHERE c.waiting_since IS NOT NULL {project_of_cluster}
-  AND """
+FROM (
+    SELECT c.id, c.prioritized, c.created_at FROM cluster_job c
+    CROSS JOIN LATERAL ("""
+    + SEATABLE_MEMBERS
+    + """ LIMIT 1) seatable
+    WHERE c.waiting_since IS NOT NULL {project_of_cluster}
+      AND """
     + no_open_attempt_sql("c.id")
     + """
+    ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC
+    LIMIT {window}
+) c
+CROSS JOIN LATERAL ("""
+    + SEATABLE_MEMBERS
+    + """ ORDER BY m.role, m.id LIMIT {window}) x
 ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, x.role, x.member
 LIMIT {window}
 """
 )
 # As a part of its own, the members pinned to the worker whatever their place, from
-# idx-cluster_member-pin.
+# idx-cluster_member-pin: each pinned member's cluster and job are a subquery of their own, so
+# that no plan starts from the waiting clusters or the queued jobs instead.
 PINNED_WALK = (
     """
-SELECT {key} AS key, '{kind}'::text AS kind, p.name AS project,
-       j.architecture, j.required_features::text[] AS required_features, j.paths,
-       c.prioritized, c.created_at, c.id AS cluster, m.role, m.id AS member
+SELECT {key} AS key, '{kind}'::text AS kind, x.project,
+       x.architecture, x.required_features::text[] AS required_features, x.paths,
+       x.prioritized, x.created_at, x.cluster, m.role, m.id AS member
 FROM cluster_member m
-JOIN cluster_job c ON c.id = m.cluster_job_id
-JOIN {table} j ON j.id = m.{member_column}
-JOIN project p ON p.id = j.project_id
-WHERE m.pin = %(name)s AND c.waiting_since IS NOT NULL {project_of_cluster}
-  AND """
+CROSS JOIN LATERAL (
+    SELECT j.id, p.name AS project, j.architecture, j.required_features, j.paths,
+           c.prioritized, c.created_at, c.id AS cluster
+    FROM cluster_job c, {table} j
+    JOIN project p ON p.id = j.project_id
+    WHERE c.id = m.cluster_job_id AND j.id = m.{member_column}
+      AND c.waiting_since IS NOT NULL {project_of_cluster}
+      AND """
     + no_open_attempt_sql("c.id")
     + """
-  AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
+      AND j.status IN ({queued}) AND j.architecture = a.architecture AND """
     + FEATURES_SQL
     + """
-ORDER BY c.prioritized DESC, c.created_at ASC, c.id ASC, m.role, m.id
+    LIMIT 1
+) x
+WHERE m.pin = %(name)s
+ORDER BY x.prioritized DESC, x.created_at ASC, x.cluster ASC, m.role, m.id
 LIMIT {window}
 """
 )

@@ -255,11 +255,12 @@ def test_the_members_head_is_read_cluster_by_cluster_to_the_window(all_projects,
     clusters_with_history(project, queued=300, finished=1000)
     analyzed()
     read = member_reads(lambda: offered(worker))
-    # Each kind's walk reads the clusters of its window and one past it (at most 33), three
-    # member rows and three probes of its job table each, whatever the queue or the history
-    # behind them.
-    bound = 2 * (32 + 1) * 3
-    assert all(rows <= bound for rows in read.values()), read
+    # Each kind's walk reads the clusters of its window, whatever the queue or the history
+    # behind them: their three member rows twice (whether the worker could seat one, then
+    # which) and three probes of its job table.
+    members, jobs = 2 * 32 * 3 * 2, 2 * 32 * 3
+    assert read["cluster_member"] <= members, read
+    assert read["evaluation"] + read["derivation_build"] <= 2 * jobs, read
     assert JobScore.objects.filter(worker=worker).count() == 2 * 32
 
 
@@ -273,3 +274,30 @@ def test_a_request_is_offered_the_head_of_its_own_kind():
     head = offers.offer_head(worker, memory, member_parts(worker), kinds=("eval",))
     assert [j.job_id for j in head.offer.jobs] == [evaluation.job_key]
     assert set(memory.sizes) == {build.job_key, evaluation.job_key}  # the build is kept
+
+
+@pytest.mark.parametrize("all_projects", [True, False])
+def test_the_members_head_reads_the_window_of_clusters_whatever_the_statistics(
+    all_projects, analyzed
+):
+    """Statistics taken while no cluster waited, then 300 queued: trusting them, PostgreSQL
+    walked the members of every waiting cluster and sorted them all to find the window."""
+    project = ProjectFactory()
+    worker = WorkerFactory(all_projects=all_projects)
+    worker.projects.set([project])
+    clusters_with_history(project, queued=0, finished=1000)
+    analyzed()
+    clusters_with_history(project, queued=300, finished=0)
+    read = rows_read(lambda: offered(worker), ("cluster_job",))
+    # Each kind's walk reads the clusters of its window at most, whatever the queue.
+    assert read["cluster_job"] <= 2 * 32, read
+    assert JobScore.objects.filter(worker=worker).count() == 2 * 32
+
+
+def test_a_cluster_the_worker_cannot_seat_takes_no_place_in_its_window(settings):
+    window(settings, 1)
+    worker = WorkerFactory(can_eval=False)
+    waiting(BuildMemberFactory(derivation_build__architecture="riscv64-linux"))
+    waiting(BuildMemberFactory(pin="another-worker"))
+    seatable = waiting(BuildMemberFactory())
+    assert offered(worker) == [seatable.job_key]

@@ -39,14 +39,15 @@ from workers.offers import Offered
 # Budgets, in statements (a transaction's BEGIN and COMMIT are not counted; in a test they are
 # a SAVEPOINT and its RELEASE, which are).
 # RequestJob that assigns: the offer, both kinds' heads read and the members new to the
-# worker recorded as offered (1); the claim of the best job no other claim holds, with the
+# worker recorded as offered, after the setting that keeps its generic plan, in one round trip
+# (a pipeline) (2); the claim of the best job no other claim holds, with the
 # worker's room, the transition and the idle slot, in one statement (1). (A session answers
 # after the worker's scores; counted here without that wait, the same statements.)
-REQUEST_ASSIGNING = 2
-# RequestJob with nothing to give, nothing new to offer: the offer (1); the idle slot in a
-# transaction of its own, its row locked and then the room counted and the slot written, in
-# one round trip (a pipeline) (2). In a test, between a SAVEPOINT and its RELEASE.
-REQUEST_IDLE_STATEMENTS = 3
+REQUEST_ASSIGNING = 3
+# RequestJob with nothing to give, nothing new to offer: the offer, in one round trip (2); the
+# idle slot in a transaction of its own, its row locked and then the room counted and the slot
+# written, in one round trip (a pipeline) (2). In a test, between a SAVEPOINT and its RELEASE.
+REQUEST_IDLE_STATEMENTS = 4
 REQUEST_IDLE = REQUEST_IDLE_STATEMENTS + 2
 # A single job's JobCompleted: one statement.
 COMPLETED = 1

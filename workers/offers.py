@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from gradient.jobs.models import JobKind
 from gradient.postgresql.arrays import int_array, text_array
+from gradient.postgresql.pipeline import send
 from gradient.wire.protocol import JobOffer, OfferedJob, Rendered
 from workers import statements
 from workers.head import HeadJob, offerable, platform_params, singles_sql
@@ -106,11 +107,15 @@ def offer_head(
         singles=" UNION ALL ".join(singles),
         members=" UNION ".join(f"({part})" for part in members),
     )
-    with db_connection.cursor() as cursor:
-        now = timezone.now()
-        params = {"now": now, "grace_since": now - OFFER_GRACE, "kinds": list(kinds)}
-        cursor.execute(sql, {**platform_params(worker), **params})
-        singles_json, members_json = cursor.fetchone()
+    now = timezone.now()
+    params = {"now": now, "grace_since": now - OFFER_GRACE, "kinds": list(kinds)}
+    # Both in one round trip: the statements of a pipeline up to its sync are one transaction,
+    # even outside a transaction block, so the setting holds for the offer alone.
+    db_connection.ensure_connection()
+    with db_connection.wrap_database_errors, db_connection.connection.pipeline():
+        send(statements.GENERIC_PLAN_SQL)
+        cursor = send(sql, {**platform_params(worker), **params})
+    singles_json, members_json = cursor.fetchone()
     head = [_head_job(row) for row in json.loads(singles_json)]
     new = [job.offered() for job in offered.fresh(head, kinds)]
     items = ([json.dumps(new)[1:-1]] if new else []) + (

@@ -129,6 +129,12 @@ SELECT (SELECT coalesce(json_agg(json_build_array(
         FROM members m JOIN fresh f ON f.job_id = m.key)::text
 """
 )
+# The offer runs its prepared statement's generic plan, planned once per connection: each of
+# its walks stops at the window whatever the statistics say, so no value of the parameters
+# needs a plan of its own, and a custom plan costs far more to make than to run
+# (docs/design.md, "The statements stay bounded"). For the rest of the transaction: the offer's
+# own, but for a caller's.
+GENERIC_PLAN_SQL = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 NO_SINGLES = """
 SELECT NULL::text AS key, NULL::text AS kind, NULL::uuid AS id, NULL::text AS status,
        NULL::bool AS substitute, NULL::bigint AS project_id, NULL::text AS project,

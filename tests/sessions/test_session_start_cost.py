@@ -20,8 +20,9 @@ pytestmark = pytest.mark.asyncio
 # Up to InitAck and the offer that follows it: authenticate, attach (one statement, also for
 # a worker whose earlier session died holding nothing, as when a server is SIGKILLed), the
 # capabilities (one statement, the row back for InitAck's name and the offer), and the offer
-# (one statement for both kinds; none queued here, so nothing is written).
-START = 4
+# (one statement for both kinds, after the setting that keeps its generic plan, in one round
+# trip; none queued here, so nothing is written).
+START = 5
 # Then the reference worker asks for a job per free slot (eval and build) and, none queued,
 # gets idle slots: each such RequestJob as pinned where the RequestJob path is (outside a
 # test's transaction: no SAVEPOINT), and the dispatch wake-up's question whether any cluster
