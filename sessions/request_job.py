@@ -6,7 +6,6 @@ from clusters.statements import seat_reserved_sql
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers
-from workers.models import Worker
 
 
 def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
@@ -40,11 +39,3 @@ def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = F
     sizes = dict(offered.sizes)
     return head, True, answer_request(worker.pk, kind, worker, head.singles[kind], sizes, resend)
 
-
-def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
-    """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
-    None), with no wait for the scores in between; a session waits for them."""
-    worker = worker or Worker.objects.get(pk=worker_id)
-    offered = offered if offered is not None else offers.Offered()
-    head = read_head(worker, offered, (kind,))
-    return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)

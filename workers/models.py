@@ -1,7 +1,6 @@
 """Workers: identity (a token hash), project access, capabilities and connection state."""
 
 import hashlib
-import hmac
 import secrets
 from datetime import datetime, timedelta
 
@@ -68,9 +67,6 @@ class Worker(models.Model):
     @staticmethod
     def new_token() -> str:
         return secrets.token_urlsafe(TOKEN_BYTES)
-
-    def token_matches(self, token: str) -> bool:
-        return hmac.compare_digest(self.token_hash, hash_token(token))
 
     def may_access(self, project_id: int) -> bool:
         return self.all_projects or self.projects.filter(pk=project_id).exists()
