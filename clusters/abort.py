@@ -1,19 +1,13 @@
 """Aborting a cluster job as an evaluation abort would (the spec's Recovery, the Abort verdict).
 
-- An open attempt is decided Abort through settlement.abort_attempt, the verdict path a member's
-  evaluation abort takes: the attempt ends Aborted, the cluster Aborted, reported members
-  settle with their own outcome and survivors end Aborted and are told AbortCluster. A started
-  attempt's survivors also get AbortJob, as an evaluation abort reaches a running job; their
-  later JobFailed{aborted} reports find their rows settled and change nothing. An unstarted
-  attempt (prepare in progress) closes the same way: every held member is told AbortCluster
-  and its job (Queued, or Building since the claim) ends Aborted.
+- An open attempt is decided Abort through settlement.abort_attempt, a member's evaluation
+  abort's path: reported members settle with their own outcome, survivors end Aborted and are
+  told AbortCluster (and AbortJob once started; their later JobFailed{aborted} changes nothing).
 - Without an open attempt (waiting, or a stranded Running cluster), one transaction ends the
   cluster and its member jobs Aborted.
 
-Every step re-checks under the lock it takes, in the claim module's order (an attempt row,
-then its cluster_job), and a step that finds the state moved on writes nothing; the abort
-then starts over from what is there now: a claim won meanwhile is aborted as an attempt, a
-retry as a waiting cluster, and a cluster a report finished meanwhile is refused.
+Every step re-checks under its lock, in the claim module's order, and writes nothing if the
+state moved on; the abort then starts over from what is there now.
 """
 
 import logging

@@ -1,21 +1,15 @@
 """The Channels layer on Redis, sized for a reconnect storm and a busy fleet.
 
-channels-redis builds a plain redis-py pool, which fails with "Too many connections" once
-more than max_connections (100 by default) operations run at once, as when 1,000 workers
-reconnect together and each session joins its group. A blocking pool waits for a free
-connection instead.
+channels-redis's plain pool fails with "Too many connections" when a storm's sessions join
+their groups at once; a blocking pool waits for a free connection instead.
 
-A daphne process receives every message for its sessions from one inbox in Redis, and
-channels-redis takes them one at a time, four round trips each (a cleanup script, the pop, a
-backup copy, its removal), with the next waiting for the last: under a busy fleet the frames
-to the sessions (AssignJob, StartCluster, the dispatch pass's offers) waited seconds in that
-inbox. Here a pop also takes what else is waiting, up to RECEIVE_BATCH, and puts each in its
-session's buffer at once. The backup copy goes: a message popped by a process that then dies
-is lost, as a message in a Redis that restarts is; every frame the layer carries is a wake-up
-whose state is in PostgreSQL.
+channels-redis takes a process's inbox one message at a time, four round trips each, so under
+a busy fleet the sessions' frames waited in it. Here a pop also takes what else is waiting, up
+to RECEIVE_BATCH. Without the backup copy a message popped by a process that then dies is lost,
+as in a Redis that restarts: every frame the layer carries is a wake-up whose state is in
+PostgreSQL.
 
-group_send_many sends to many groups at once, for the passes that reach hundreds of workers;
-group_add is one round trip.
+group_send_many sends to many groups at once, for the passes that reach hundreds of workers.
 """
 
 import collections

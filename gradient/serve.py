@@ -2,16 +2,11 @@
 
     python -m gradient.serve -b HOST -p PORT [--processes N] [--backlog N] [-- DAPHNE-OPTIONS]
 
-One daphne is one Python interpreter: its handshakes, frames and database calls share one GIL,
-so on a machine with several cores a fleet reconnecting at once waits on a single core. This
-binds HOST:PORT once, with a listen backlog long enough for a fleet reconnecting at once, and
-starts N daphne processes (default: one per core) that accept from that same socket
-(`daphne --fd`), so the kernel hands each new connection to whichever is free. Every session
-keeps its state in PostgreSQL and reaches its worker through the channel layer, so which
-process serves a worker does not matter.
-
-SIGTERM or SIGINT stops every child. When one child dies the others are stopped too and the
-launcher exits with the child's status, so a supervisor (compose, systemd) restarts the whole.
+One daphne is one GIL. This binds HOST:PORT once, with a backlog long enough for a fleet
+reconnecting at once, and starts N daphnes (default: one per core) that accept from it
+(`daphne --fd`). Sessions keep their state in PostgreSQL, so which process serves a worker does
+not matter. When one child dies the others are stopped and the launcher exits with its status,
+so a supervisor restarts the whole.
 """
 
 import argparse

@@ -1,11 +1,5 @@
-"""JobCompleted and JobFailed: finish the assignment row, then move the job.
-
-The row keeps what the report says of the run: a JobFailed's kind and error, and the end of
-the job's output (log_tail), cut as gradient.jobs.work keeps them.
-
-A single job moves through its state machine at once: success completes it, a requeueing
-failure puts it back in the queue until its attempts run out, anything else ends it. A cluster
-member's report only finishes its row: its job's transition waits for the attempt's verdict.
+"""JobCompleted and JobFailed: finish the assignment row (with the report's error and log tail),
+then move the job. A cluster member's job waits for the attempt's verdict instead.
 """
 
 import uuid

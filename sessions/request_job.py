@@ -38,4 +38,3 @@ def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = F
         return head, False, None
     sizes = dict(offered.sizes)
     return head, True, answer_request(worker.pk, kind, worker, head.singles[kind], sizes, resend)
-

@@ -1,11 +1,9 @@
-"""Worker health (protocol.md, "Worker health: quarantine at the gang level"): a worker's blamed
-seats in a row, and its quarantine from cluster members.
+"""Worker health (protocol.md, "Worker health"): blamed seats in a row, and quarantine.
 
-A worker is quarantined while its quarantined_until lies ahead. An automatic quarantine lasts
-GRADIENT_QUARANTINE_SECS; its streak is left as it was, so once lifted the worker is on
-probation: its next blamed seat makes the streak reach the threshold again and quarantines it at
-once, until a seat of it succeeds. An operator's quarantine lasts until released (FOREVER), and
-a release clears the streak too. Single jobs still reach a quarantined worker.
+An automatic quarantine leaves the streak as it was, so once lifted the worker is on
+probation: its next blamed seat quarantines it again, until a seat of it succeeds. An
+operator's lasts until released, and a release clears the streak. Single jobs still reach a
+quarantined worker.
 """
 
 from dataclasses import dataclass
