@@ -1,16 +1,12 @@
-"""The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
-(clusters.statements.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
+"""The spec's Claim and Close, and fail-prepare (the start is ACCEPT_SQL, the resolution
+clusters.settlement).
 
-Lock order, so that two of these never wait on each other in a circle: an existing attempt
-first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
-takes its seats first, in (worker, kind) order (claims of different clusters share seats,
-never member jobs), then locks its cluster, but only to insert a new attempt, which conflicts
-with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
-job-key order. A batch of claims takes each step for all its clusters at once, in the same
-order: every seat by (worker, kind), the clusters by id, the members by job key, the builds.
-A close that blames seats locks their workers' rows last, in id order (clusters.blame); a
-member's success locks its worker's row after its own row, and no lock of another attempt's
-cluster or jobs ever waits behind it.
+Lock order, so that two of these never wait on each other in a circle: an existing attempt,
+its dispatched_job rows, its cluster_job, the member jobs. A claim takes its seats first, by
+(worker, kind), then its cluster (only to insert a new attempt, which waits on no existing
+one), then its members by job key; a batch takes each step for all its clusters at once. A
+close that blames seats locks their workers last, by id; a member's success locks its worker
+after its own row.
 """
 
 import json

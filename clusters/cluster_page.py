@@ -41,9 +41,8 @@ MIN_BAR_WIDTH = 0.4
 TICKS = 4  # intervals of the axis: labels at 0, 25, 50, 75 and 100 %
 # Workers named per reason in "why it waits"; the rest are counted.
 NAMES_PER_REASON = 8
-# The attempts, newest first, whose seats show their log tails on the page; an older seat's
-# is a link to its assignment's page. A tail is up to 64 KiB: a page of every attempt drawn
-# could run to megabytes.
+# The attempts, newest first, whose seats show their log tails; an older seat's is a link, so
+# that a page of many attempts stays small.
 LOG_ATTEMPTS = 5
 
 

@@ -148,9 +148,8 @@ def cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int
 
 def solve(cost: np.ndarray) -> np.ndarray | None:
     """The column of each row in a minimum-cost full matching, or None if there is none."""
-    # Imported here: scipy.optimize takes about a second to import, and every daphne imports
-    # this module (through clusters.book) without ever solving; a restarted daphne must
-    # listen again as soon as it can.
+    # Imported here: scipy.optimize is slow to import, and every daphne imports this module
+    # without ever solving.
     from scipy.optimize import linear_sum_assignment
 
     try:

@@ -1,11 +1,9 @@
 """Recovery sweeps: bring every cluster back to a consistent state from the database alone.
 
-The sweeps find what no report will settle: members lost with their worker, attempts whose
-members' jobs ended outside them (an abort never confirmed), Running clusters that lost their
-attempt in a crash, and, first, the overdue prepares. Safe to run at start-up and at any time,
-from any number of processes at once: each step is one of settlement's or the claim module's
-transactions, which re-check what they change. Deadlines are computed from stored times (an
-attempt's created_at), so a restart never resets one.
+They find what no report will settle: overdue prepares, members lost with their worker,
+attempts whose members' jobs ended outside them, Running clusters that lost their attempt.
+Each step is one of settlement's or the claim module's re-checking transactions, so any number
+of processes may sweep at once; deadlines come from stored times, so a restart resets none.
 """
 
 import contextlib

@@ -1,10 +1,8 @@
 """The member jobs' scores as a dispatch pass reads them for the planner.
 
-Up front, each member job's cheapest scores only (an index-only read of a few hundred entries
-per job, not every score), in chunks of keys, on a thread of their own while the planner seats
-the clusters whose scores have arrived. A job's other scores are read only when too few of
-its cheapest are left to decide (planner.Snapshot.load_scores), late in a pass when the
-cheapest workers are taken: from the free workers alone while they are few.
+Up front, each member job's cheapest scores only (an index-only read), in chunks, on a thread
+of their own while the planner seats the clusters whose scores have arrived. A job's other
+scores are read only when too few of its cheapest are left to decide (Snapshot.load_scores).
 """
 
 import threading
@@ -52,9 +50,8 @@ def _read_lists(sql: str, params: dict) -> dict[str, tuple[np.ndarray, np.ndarra
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
 
 
-# Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists
-# (a few hundred to thousands of entries each), which cost less once the pairs are many
-# (docs/design.md has the timings).
+# Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists,
+# which cost less once the pairs are many (docs/design.md).
 PROBED_WORKERS = CHEAPEST
 
 
@@ -88,14 +85,12 @@ def own_connection():
         close_old_connections()
 
 
-# Keys per read of CHEAPEST_SCORES_SQL, the first read smaller: the first clusters' scores
-# arrive sooner, and a pass that finds seats for a few clusters only (a busy fleet, a pass
-# woken by one idle slot) reads little more than those.
+# Keys per read of CHEAPEST_SCORES_SQL, the first read smaller: a pass that seats a few
+# clusters only reads little more than theirs.
 FIRST_CHUNK = 32
 SCORE_CHUNK = 256
-# Chunks read ahead of the last one the planner waited for; the reader then waits. Reading
-# every member job's scores up front cost each woken pass of a busy fleet a few milliseconds
-# of PostgreSQL per 256 keys, for clusters it could not seat anyway.
+# Chunks read ahead of the last one the planner waited for, so that a busy fleet's pass does
+# not read the scores of clusters it cannot seat anyway.
 READ_AHEAD = 2
 
 
@@ -104,9 +99,7 @@ def _chunks(count: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in pairwise(bounds) if b > a]
 
 
-# The cheapest scores are read on a thread of their own, with its own database connection,
-# while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
-# work, planning is Python's, and on a machine of two cores the one need not wait for the other.
+# Reading is PostgreSQL's work and planning Python's: a thread of its own lets them overlap.
 _score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
 
 

@@ -1,11 +1,10 @@
-"""Settlement, the spec's Recovery: member reports -> the verdict (pure, clusters.verdict) ->
-every member settled.
+"""Settlement, the spec's Recovery: member reports -> the verdict (clusters.verdict) -> every
+member settled.
 
-A member's JobCompleted or JobFailed (or its loss with its worker) releases its row without
-moving its job. The first deciding report resolves the attempt; the verdict then settles every
-member, in the same transaction: the attempt closed, the cluster moved, each member's job
-moved, through their state machines' guarded writes. Reports arriving after the resolution
-find their rows settled and change nothing.
+A member's report (or its loss with its worker) releases its row without moving its job. The
+first deciding report resolves the attempt and, in the same transaction, the verdict closes
+it, moves the cluster and each member's job through their guarded writes. Later reports find
+their rows settled and change nothing.
 """
 
 import logging

@@ -22,9 +22,8 @@ from pathlib import Path
 APPLICATION = "gradient.asgi:application"
 DEFAULT_BACKLOG = 1024
 STOP_GRACE_SECS = 10  # after SIGTERM, before SIGKILL
-# What every daphne of this service is started with, before the caller's own options (which win):
-# a handshake may wait its turn for 30 s in a reconnect storm instead of a 403 after 5 s, and
-# a worker's session is never closed for its age (README, "Processes").
+# Before the caller's own options, which win: in a reconnect storm a handshake may wait its
+# turn, and a session is never closed for its age (README, "Processes").
 DAPHNE_OPTIONS = ("--websocket_connect_timeout", "30", "--websocket_timeout", "-1")
 
 

@@ -12,17 +12,11 @@ from gradient.wire.groups import worker_group
 
 log = logging.getLogger(__name__)
 
-# Session starts under way at once, per event loop. With every worker accepted at once, a
-# thousand group_adds would wait together for the channel layer's Redis connections (200) and
-# fail after its pool timeout; past this many, a start waits here instead, for as long as it
-# takes. Attach runs on the handshake threads anyway.
+# Session starts under way at once, per event loop: past this many, a start waits here rather
+# than for the channel layer's Redis connections, which time out.
 SESSION_STARTS = 32
-# Starts first: while many sessions of this process are between their handshake and their
-# InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
-# up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
-# fewer handshakes outlast daphne's handshake timeout (a 403) or the worker's patience (a
-# retry, more load); the frames' work is the same, only later. A few starts at a time hold
-# nothing back.
+# Starts first: while many sessions are between their handshake and their InitAck, the other
+# sessions' frames wait, each up to STARTS_FIRST_SECS, so fewer handshakes time out.
 STARTS_FIRST_SECS = 5.0
 STORM_STARTS = 8
 

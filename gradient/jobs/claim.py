@@ -1,11 +1,7 @@
-"""claim_assignment: the single-assignment claim statement.
-
-One INSERT ... SELECT ... WHERE <start condition> ON CONFLICT DO NOTHING over a set of rows,
-an assignment each: each job's start condition and idx-dispatched_job-open-job decide in
-PostgreSQL whether its claimer wins, so any number of processes can claim at once and at most
-one row per job key is ever open. A single job is one row; a cluster claim (clusters.claim)
-sends every member's row, each with its own job key, start condition and attempt, to the same
-statement.
+"""The single-assignment claim statement: INSERT ... SELECT ... WHERE <start condition> ON
+CONFLICT DO NOTHING, a row per assignment, so idx-dispatched_job-open-job lets at most one row
+per job key be open however many processes claim. A cluster claim sends every member's row to
+the same statement.
 """
 
 import json

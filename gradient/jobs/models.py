@@ -102,10 +102,8 @@ BUILD_MACHINE = StateMachine(
 )
 
 
-# Always true (created_at is NOT NULL), and stated only by the head's walk over every project
-# (workers.head.EVERY_PROJECT_SQL), so a walk of one project cannot use the index over every
-# project. PostgreSQL guesses that a project keeps 1/n_distinct of the queue, and would walk
-# that index past another project's thousands of jobs to fill the window of a project with none.
+# Always true, and stated only by the head's walk over every project, so that a walk of one
+# project cannot pick the index over every project and wade through the others' jobs.
 EVERY_PROJECT = Q(created_at__isnull=False)
 
 
@@ -163,12 +161,9 @@ class Evaluation(JobFields):
         db_table = "evaluation"
         constraints = [timeout_range("evaluation")]
         indexes = [
-            # The head of the queue (workers.head): the single evaluations that can start
-            # (Queued, or Fetching for the follow-up of a split one) in the single path's
-            # order, read up to the window per architecture (and per project for a worker
-            # limited to some). Members and finished evaluations are left out, so the read
-            # walks no further than the jobs a worker could take. EVERY_PROJECT keeps the
-            # walks of one project off the first index (workers.head).
+            # The head of the queue (workers.head): the single evaluations that can start, in
+            # the single path's order; members and finished ones are left out, so the walk
+            # goes no further than the jobs a worker could take.
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",

@@ -87,10 +87,8 @@ def _session_loop() -> asyncio.AbstractEventLoop | None:
     return None
 
 
-# A session's sends, per event loop, made in order by one task: the service that asked goes
-# on without waiting for the loop. Waiting held one of the few database threads until the
-# loop, busy with hundreds of sessions, got round to the send: with a busy fleet the
-# acceptances queued behind those threads for seconds.
+# A session's sends, per event loop, made in order by one task, so that the service that asked
+# does not hold a database thread until the busy loop gets round to them.
 _loop_sends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
