@@ -139,11 +139,8 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
 def claim_cluster(claim: ClusterClaim) -> bool:
     """Open an attempt and claim every member in one transaction; False writes nothing.
 
-    The attempt is inserted only while the cluster is Queued and its seats are idle, and
-    idx-cluster_attempt-open makes a second claimer insert nothing. Each member then goes
-    through the single-assignment claim statement; one that inserts nothing (the job is open
-    elsewhere, or cannot start) rolls the whole attempt back. Build members get their Assigned
-    transition in the same step.
+    The attempt is inserted only while the cluster is Queued and its seats idle; a member the
+    single-assignment statement refuses (open elsewhere, or unable to start) rolls it all back.
     """
     if not claim.members:
         return False
@@ -158,11 +155,9 @@ def claim_cluster(claim: ClusterClaim) -> bool:
 
 
 def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
-    """claim_cluster for each of many clusters, in one transaction and one round trip for
-    them all (and the commit); whether each won. Every claim still wins or loses on its own:
-    one that loses writes nothing. Should the batch fail as a whole (a member open elsewhere,
-    a lock_timeout behind a frozen rival), it rolls back and each claim goes again alone, so
-    that only the one in the way loses.
+    """claim_cluster for each of many clusters, in one transaction and one round trip; whether
+    each won. Should the batch fail as a whole, each claim goes again alone, so that only the one
+    in the way loses.
     """
     if not _disjoint(claims):
         # Claims that share a cluster, a job or a seat decide against each other in order.
@@ -195,12 +190,9 @@ def _disjoint(claims: list[ClusterClaim]) -> bool:
 def close_cluster_attempt(
     attempt_id, outcome: str, now: datetime | None = None, *, cluster_status: str | None = None
 ) -> int | None:
-    """Close an open attempt with its outcome, abandoning every open member row with it, and
-    move its cluster to `cluster_status` if given.
-
-    Runs in the caller's transaction (alone, it is one statement, so still all or nothing).
-    Returns the cluster's id, or None (falsy) when the attempt could not close: a second
-    close, such as a prepare timeout racing a member's failure, touches nothing.
+    """Close an open attempt with its outcome, abandoning its open member rows, and move its
+    cluster to `cluster_status` if given, in one statement of the caller's transaction. The
+    cluster's id, or None when the attempt was closed already (a second close touches nothing).
     """
     now = now or timezone.now()
     params = {
@@ -238,14 +230,10 @@ def release_members(attempt_id) -> None:
 
 
 def fail_prepare_attempt(attempt_id, blame: Blame | None = None) -> bool:
-    """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
-    failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
-    builds back. The spec also puts a Running cluster back to Queued; a cluster goes Running
-    only when its attempt starts (ACCEPT_SQL in clusters.coordinator), so the cluster of an
-    unstarted attempt is still Queued and nothing is written to it. Failed prepares are not
-    counted (the counter moves at the start too), and the backoff runs from this attempt's
-    finished_at. The seat that failed it (`blame`) is blamed in the same transaction. False
-    if the attempt had started or was closed already: nothing changes."""
+    """The spec's fail-prepare, one transaction: the unstarted attempt closed PrepareFailed, its
+    builds handed back and the seat that failed it blamed. Its cluster is still Queued (it goes
+    Running only at the start), so nothing is written to it. False if the attempt had started or
+    was closed already."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
         if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED):

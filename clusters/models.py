@@ -360,10 +360,8 @@ class ReservationSeat(models.Model):
 
 
 class MetricTally(models.Model):
-    """What /metrics no longer reads from the rows: the tallied clusters by status (less those
-    retention deleted) and their attempts' counts. The collector adds it to what the untallied
-    clusters' rows say, so neither history nor its deletion is read at each scrape, and no
-    counter goes down (Prometheus would read that as a reset)."""
+    """What /metrics no longer reads from the rows: the tallied clusters by status and their
+    attempts' figures (gradient.metrics), so that no counter goes down when retention deletes."""
 
     metric = models.CharField(max_length=64)
     # A counter's label value, or a histogram's "label|le" bucket and "label|sum".

@@ -104,14 +104,10 @@ _score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
 
 
 class CheapestScores(Mapping):
-    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
-    keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
-    `truncated` tells (waiting likewise) whether a key has more scores than were read.
-
-    The keys in `pins` (a pinned member's job -> its pin's worker id, None when that worker
-    has no idle slot) are read for that worker's score alone, and are complete: a pinned
-    member has one seat, seldom among its job's cheapest, and its job's full list would be
-    read for the one score that matters."""
+    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks in the
+    order given; a lookup, and `truncated`, wait for its key's chunk. The keys in `pins` (job ->
+    its pin's worker id, or None) are read for that worker's score alone: a pinned member has one
+    seat, seldom among the cheapest."""
 
     def __init__(self, keys: list[str], pins: Mapping[str, int | None] | None = None):
         self._keys = keys

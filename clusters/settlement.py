@@ -168,11 +168,10 @@ def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]
 
 
 def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int] | None:
-    """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
-    attempt (abandoning open member rows), move the cluster, settle every member's job. Returns
-    the workers of the survivors, to be told AbortCluster after commit. Without an attempt
-    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs.
-    None, having settled nothing, when the cluster's machine refuses the verdict's move."""
+    """Apply a decided verdict in the caller's transaction, the attempt (or, without one, the
+    cluster) locked: the attempt closed, the cluster moved, every member's job settled. The
+    survivors' workers, to be told AbortCluster after commit; None, having settled nothing, when
+    the cluster's machine refuses the move."""
     survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
     if attempt_id is None:
@@ -201,10 +200,9 @@ def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> l
 def _record_report(
     worker_id, job_id, assignment_id, outcome, kind, output: dict
 ) -> tuple[Attempt, bool] | None:
-    """The report's statements up to the verdict, in one round trip: the attempt locked, the
-    row finished (with the report's `output`: its error and log tail) if the report may finish
-    it. None when the assignment is no member's held by this worker; else the attempt as they
-    left it and whether the row finished."""
+    """The report's statements up to the verdict, in one round trip: the attempt locked, the row
+    finished with its `output` if it may be. None when the assignment is no member's held by this
+    worker; else the attempt as they left it and whether the row finished."""
     params = {
         "id": assignment_id,
         "worker": worker_id,
@@ -271,13 +269,10 @@ def member_report(
 ) -> Verdict | None:
     """A member's JobCompleted/JobFailed (or its loss, outcome Failed with kind "lost").
 
-    Releases its job without moving it, keeping the report's `error` and `log_tail` with
-    its row; the first deciding report resolves the attempt and settles every member, in the
-    same transaction. Before the start, a failure is a failed prepare and never reaches the
-    job. A report for a member the verdict already settled is accepted and changes nothing
-    but the output it brings (keep_late_output). An assignment that is no member's is
-    NotAllowed, or goes to `single`, called in the same transaction (a JobFailed tells a
-    single's from a member's at no extra round trip)."""
+    Finishes its row without moving its job; the first deciding report resolves the attempt and
+    settles every member, in the same transaction. Before the start a failure is a failed prepare.
+    A late report keeps only its output. An assignment that is no member's is NotAllowed, or goes
+    to `single` in the same transaction."""
     verdict, survivors = None, []
     output = {"error": error, "log_tail": log_tail}
     with transaction.atomic(durable=True):

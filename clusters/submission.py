@@ -120,10 +120,9 @@ def submit_cluster(
     retry_budget: int = 0,
     prioritized: bool = False,
 ) -> tuple[ClusterJob, list[ClusterMember]]:
-    """Creates the member jobs (Queued), the cluster job (Queued) and its members in one
-    transaction, and returns the members in the order given. Everything is checked before the
-    first write, so a refusal leaves nothing behind. `prioritized` marks every member job,
-    and a cluster with a prioritized member is placed first."""
+    """Creates the member jobs, the cluster job (Queued) and its members in one transaction, all
+    checked before the first write; the members in the order given. `prioritized` marks every
+    member job, so the cluster is placed first."""
     check_members(members)
     if retry_budget < 0:
         raise SubmissionError(

@@ -58,10 +58,8 @@ DUE_KEY = "gradient:dispatch:due"
 
 
 def run_at(when) -> None:
-    """Queue a pass for `when` (the clusters held for their scores are placed by then,
-    answered or not), unless one is queued for about then already: every pass that holds a
-    cluster asks for one, and a queue of them would run back to back, each waiting for the
-    lock. Best effort: the periodic pass makes up for a lost one."""
+    """Queue a pass for `when`, unless one is queued for about then already: passes queued back to
+    back would each wait for the lock. Best effort: the periodic pass makes up for a lost one."""
     try:
         delay = max(0.0, (when - timezone.now()).total_seconds())
         if _client().set(DUE_KEY, 1, nx=True, px=max(1, int(delay * 1000))):

@@ -39,10 +39,9 @@ def authenticate(token: str) -> tuple[int, str] | None:
 
 
 def abandon_single_assignments(worker_id: int, keep=frozenset()) -> int:
-    """The worker is gone: its open single assignments end Abandoned and their jobs go back to
-    the queue, but for those in `keep` (assignment ids it still runs). Its cluster members stay
-    open: they are lost members of their attempt, which decides their fate. Also drops its
-    idle slots."""
+    """The worker is gone: its open single assignments (but those in `keep`, which it still runs)
+    end Abandoned and their jobs are requeued, and its idle slots dropped. Its cluster members are
+    left to their attempt's verdict."""
     rows = list(
         DispatchedJob.objects.select_for_update()
         .filter(worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True)

@@ -86,10 +86,8 @@ class Presence:
         return True
 
     async def join_group(self) -> None:
-        """At the start, and again at every touch: a Redis restart empties every group, and
-        channels-redis drops a member after its group_expiry, so the passes could no longer
-        reach a live session. Idempotent; a failure is retried at the next touch, and the
-        session goes on: Redis carries only wake-ups."""
+        """At the start and at every touch: a Redis restart empties every group, and channels-redis
+        expires members. A failure is retried at the next touch; Redis carries only wake-ups."""
         try:
             await self.layer.group_add(worker_group(self.worker_id), self.channel)
         except Exception:

@@ -29,10 +29,8 @@ def answer_request(
 
 
 def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = False):
-    """A RequestJob's head read and, when it holds nothing new to score, the answer too, in
-    one call: each call to the session's database threads costs CPU (docs/benchmarks.md,
-    session costs). Returns the head, whether it was answered, and the
-    AssignJob (or None)."""
+    """A RequestJob's head read and, when it holds nothing new to score, the answer too, in one
+    call to the session's threads: the head, whether it was answered, and the AssignJob or None."""
     head = read_head(worker, offered, (kind,))
     if head.offer is not None:
         return head, False, None

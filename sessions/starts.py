@@ -92,12 +92,9 @@ def session_starts() -> Starts:
 
 
 async def leave_replaced(layer, worker_id: int, worker_name: str, previous: str):
-    """The session a new one replaces (channel `previous`) leaves the worker's group and is
-    told to close. Its own disconnect would do the first, but a session whose daphne was
-    killed never runs it: every send to the worker would also go to its dead channel until
-    the group expires (a day), filling that channel up. Both best effort, like every send:
-    the old session, if still alive, sees that it is no longer the live one at its next
-    liveness check and closes. In a storm it waits for calm, as the sessions' frames do."""
+    """The replaced session (channel `previous`) leaves the worker's group and is told to close:
+    one whose daphne was killed never runs its disconnect, and its dead channel would fill up.
+    Best effort: a live old session closes at its next liveness check anyway."""
     await session_starts().wait_for_calm()
     try:
         await layer.group_discard(worker_group(worker_id), previous)

@@ -27,10 +27,9 @@ def worker_group(worker_id: int) -> str:
 
 
 class _SenderLoop:
-    """One event loop per process, on a thread of its own, for sends from code that runs
-    outside any loop (a Celery pass, a management command). async_to_sync there would make a
-    new loop per call, and the Redis layer keeps its connections per loop: each call would
-    open fresh connections to Redis and drop them."""
+    """One event loop per process, on a thread of its own, for sends from outside any loop (a
+    Celery pass, a command): async_to_sync would make a loop per call, each with fresh Redis
+    connections."""
 
     def __init__(self):
         self._lock = threading.Lock()
