@@ -106,10 +106,9 @@ def among_ties(seatable: np.ndarray, rows: list[Row], seats: list, columns: slic
 
 
 def costs(rows: list[Row], columns: np.ndarray, largest: int):
-    """Each member's seat costs over the given columns: its missing NAR size where scored,
-    else a stand-in dearer than any scored seating. (Where a column is no seat, the solver's
-    matrix gets np.inf: no edge at all; a size of 0 is still an edge.) And the sizes
-    themselves, -1 where unscored."""
+    """Each member's seat costs over the columns, its missing NAR size where scored, else a
+    stand-in dearer than any scored seating (a non-seat is np.inf, no edge); and the sizes, -1
+    where unscored."""
     k = len(rows)
     # Floats add integers exactly below 2**53, so sizes stay exact up to 2**50 / k**2 (64 TiB
     # for 4 members); larger ones are scaled down, which can blur their sums but not the rule

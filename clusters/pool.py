@@ -22,10 +22,7 @@ KINDS = {"eval": "can_eval", "build": "can_build"}
 
 
 class Pool:
-    """The idle workers as columns: eligibility masks per member profile, zones, availability.
-
-    Columns are sorted by zone, so a zone is a range of columns (a slice).
-    """
+    """The idle workers as columns, sorted by zone, so that a zone is a slice."""
 
     def __init__(self, workers: tuple[Worker, ...]):
         # Named zones sorted, then the zoneless workers as a zone of their own: also the

@@ -238,9 +238,8 @@ def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None
 
 
 def keep_late_output(assignment_id, output: dict) -> None:
-    """Keep a settled row's late report's error and log tail, if the row has none yet: a
-    survivor reports after the verdict settled its row (it was told AbortCluster), and its
-    output shows how it ended. One statement, none when the report brought neither."""
+    """A survivor's report after the verdict settled its row: its error and log tail kept if the
+    row has none, to show how it ended."""
     if output["error"] is not None or output["log_tail"] is not None:
         late = DispatchedJob.objects.filter(pk=assignment_id, error=None, log_tail=None)
         late.update(**output)

@@ -56,10 +56,8 @@ class MemberState:
 
 
 def decide(members: list[MemberState], *, budget_left: bool, aborted: bool = False):
-    """The verdict the members' states decide, or None while the attempt must go on.
-
-    `aborted`: an abort of the whole cluster (the operator's), which counts as an evaluation
-    abort reaching every member."""
+    """The verdict the members' states decide, or None while the attempt must go on. `aborted`:
+    the operator aborted the cluster, an evaluation abort reaching every member."""
     if aborted or any(m.aborted for m in members):
         return Verdict.ABORT
     if any(m.dead or m.failure_kind in FINAL_FAILURES for m in members):

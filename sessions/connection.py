@@ -26,9 +26,8 @@ def bearer_token(headers) -> str:
 
 
 def authenticate(token: str) -> tuple[int, str] | None:
-    """(id, name) of the worker owning this token, unless unknown or revoked. Looked up by the
-    token's hash: the index compares hashes, so no secret-dependent comparison happens in
-    Python."""
+    """(id, name) of the worker owning this token, unless unknown or revoked; looked up by hash, so
+    nothing compares the secret in Python."""
     if not token:
         return None
     # Plain SQL: the ORM's compiling of this one lookup cost more than its round trip, and a

@@ -48,10 +48,9 @@ class Lanes:
             self.last_report = self.reports.put(frame, after=self.last_accept)
 
     def _put_bulk(self, frame) -> None:
-        """Behind the reports that arrived before it: a JobCompleted frees the slot that the
-        RequestJob after it asks to fill. A RequestJob while as many of its kind as the worker
-        has slots of that kind already wait is a resend (one per free slot, periodically):
-        dropped, the waiting ones will answer."""
+        """Behind the reports that arrived before it: a JobCompleted frees the slot the next
+        RequestJob asks to fill. A RequestJob beyond the worker's slots of its kind already
+        waiting is a resend: dropped, the waiting ones will answer."""
         if isinstance(frame, RequestJob):
             kind = frame.kind
             waiting = self.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == kind)

@@ -24,9 +24,8 @@ TOUCH_EVERY_SECS = 5.0
 
 
 class Presence:
-    """A session's hold on its worker. A touch that finds the token revoked, or a newer
-    session attached, ends the session. On the handshake's threads until the InitAck: a start
-    must not queue behind the offers and RequestJobs of the sessions already started."""
+    """A session's hold on its worker; a touch that finds the token revoked or a newer session
+    attached ends it. On the handshake's threads until the InitAck."""
 
     def __init__(self, layer, worker_id: int, worker_name: str, channel: str):
         self.layer, self.channel = layer, channel

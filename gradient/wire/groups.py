@@ -76,9 +76,8 @@ def drain_sends(timeout: float = SEND_TIMEOUT_SECS) -> None:
 
 
 def _session_loop() -> asyncio.AbstractEventLoop | None:
-    """The running event loop this thread runs sync code for (a session's service in daphne,
-    via sync_to_async), if any: the layer already has its connections there. (The attributes
-    are asgiref's own, the ones async_to_sync reads.)"""
+    """The event loop this thread runs sync code for (a session's service, through asgiref's
+    sync_to_async), if any: the layer already has its connections there."""
     local = SyncToAsync.threadlocal
     loop = getattr(local, "main_event_loop", None)
     if loop is not None and getattr(local, "main_event_loop_pid", None) == os.getpid():
@@ -155,9 +154,8 @@ def close_revoked_on_commit(worker_id: int) -> None:
 def send_frames(
     frames: list[tuple[int, object]], event: str = "worker.send", wait: bool = True
 ) -> None:
-    """Sends protocol messages now (outside any transaction); best effort, like every send.
-    `event` names the session's handler (worker.offer: an offer of the dispatch pass's);
-    without `wait`, the caller goes on while they are sent."""
+    """Sends protocol messages now, best effort; `event` names the session's handler, and without
+    `wait` the caller goes on while they are sent."""
     layer = get_channel_layer()
     # A message sent to several workers (a StartCluster to every member) is rendered once.
     texts = {id(message): message.frame() for _, message in frames}
