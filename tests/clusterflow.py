@@ -12,8 +12,9 @@ from django.utils import timezone
 from clusters.claim import ClusterClaim, claim_cluster
 from clusters.coordinator import accept_assignment
 from clusters.models import ClusterAttempt
-from gradient.jobs.claim import Assignment, ClaimGate
+from gradient.jobs.claim import Assignment, ClaimGate, claim_params
 from gradient.jobs.models import DispatchedJob
+from gradient.jobs.statements import claim_sql
 from gradient.wire.groups import drain_sends, worker_group
 from sessions.request_job import answer_request, read_and_answer
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
@@ -34,6 +35,14 @@ def idle_workers(n, kinds=("eval", "build"), **fields):
             IdleSlot.objects.create(worker=worker, kind=kind, recorded_at=now)
         workers.append(worker)
     return workers
+
+
+def claim_assignment(assignment: Assignment) -> bool:
+    """One row through the claim statement every claim runs, with no condition of a caller's:
+    whether it won."""
+    with connection.cursor() as cursor:
+        cursor.execute(claim_sql("true"), claim_params([assignment]))
+        return cursor.fetchone() is not None
 
 
 def session_request(worker, kind, offered=None):

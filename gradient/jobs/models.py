@@ -290,7 +290,7 @@ class DispatchedJob(models.Model):
     class Meta:
         db_table = "dispatched_job"
         constraints = [
-            # Serves claim_assignment's ON CONFLICT (job_id) WHERE finished_at IS NULL:
+            # Serves the claim's ON CONFLICT (job_id) WHERE finished_at IS NULL:
             # at most one open assignment per job key, arbitrated by PostgreSQL.
             models.UniqueConstraint(
                 fields=["job_id"],

@@ -46,11 +46,10 @@ ORDER BY t.job_id
 ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING job_id, {CLAIMED_WORK} AS work
 """
-CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
 
 
 def claim_sql(also: str) -> str:
-    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t)."""
+    """The claim of the rows that also meet `also` (SQL over the row t)."""
     return CLAIM_TEMPLATE.replace("/*also*/", f"AND {also}")
 
 
