@@ -16,9 +16,8 @@ if TYPE_CHECKING:
 
 
 class Row:
-    """One job key's scores from workers in the pool, cheapest first (columns, sizes);
-    `complete` False when only the cheapest are here. The same by column, for the solver's
-    lookups (find), is sorted only when first asked for: most rows never reach the solver."""
+    """One job key's scores from the pool's workers, cheapest first; `complete` False when only
+    the cheapest are here. The by-column form (find) is sorted when first asked for."""
 
     __slots__ = ("_by_column", "columns", "complete", "largest", "sizes")
 
@@ -43,9 +42,8 @@ NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 class Scores:
-    """Score rows per job key, read from score_arrays. score_arrays and truncated are only
-    asked about one key at a time, as the planner reaches it, so a snapshot may hand them over
-    while still reading them."""
+    """Score rows per job key, read from score_arrays one key at a time as the planner reaches
+    it, so a snapshot may hand them over while still reading them."""
 
     def __init__(self, snapshot: Snapshot, pool: Pool):
         # Not `or {}`: a Mapping's truth is its length, and a CheapestScores still being read
@@ -132,10 +130,8 @@ def preferred(seatable: np.ndarray, rows: list[Row]) -> list[np.ndarray]:
 
 def cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int) -> np.ndarray:
     """A member's k cheapest seats among the columns: scored ones by size, then unscored ones.
-
-    A minimum-cost matching of k members never needs another seat: were a member seated
-    elsewhere, one of its k cheapest would be free (the other k - 1 members hold at most k - 1),
-    and moving it there costs no more. So the solver sees at most k * k columns, not thousands.
+    A minimum-cost matching of k members needs no other: were a member seated elsewhere, one of
+    its k cheapest would be free, and no dearer. So the solver sees at most k * k columns.
     """
     scored = preferred[(preferred >= columns.start) & (preferred < columns.stop)][:k]
     if scored.size == k:

@@ -305,9 +305,8 @@ def member_report(
 
 
 def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdict | None:
-    """Ask the verdict about an open attempt without a report of its own: a member job ended
-    outside the attempt (the sweep), or the whole cluster is aborted (`aborted`). Settles and
-    tells the survivors when there is a verdict; None when there is none, or it was closed."""
+    """Ask the verdict about an open attempt without a report: a member job ended outside it (the
+    sweep), or the cluster is `aborted`. None when there is no verdict, or it was closed."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
         attempts = ClusterAttempt.objects.select_for_update()
@@ -325,7 +324,6 @@ def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdic
 
 
 def abort_attempt(attempt_id, reason: str) -> bool:
-    """An evaluation abort reached every member (the operator aborted the cluster): the
-    verdict on the open attempt is Abort, survivors end Aborted and are told. False if it was
-    already closed."""
+    """The operator aborted the cluster: the open attempt's verdict is Abort, survivors end
+    Aborted and are told. False if it was already closed."""
     return resolve_attempt(attempt_id, reason, aborted=True) == Verdict.ABORT

@@ -76,9 +76,8 @@ def budget_left(attempts: int, retry_budget: int) -> bool:
 
 
 def member_moves(verdict: Verdict, members: list[MemberState]) -> dict[str, Settlement]:
-    """Where the verdict sends each member's job, by member key. Every member gets one,
-    those still running included: a report arriving after the verdict finds its member
-    settled already and changes nothing."""
+    """Where the verdict sends each member's job, by member key, those still running included:
+    their reports after the verdict change nothing."""
     return {m.key: _settlement(verdict, m) for m in members}
 
 

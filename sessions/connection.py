@@ -81,9 +81,8 @@ def attach(worker_id: int, channel_name: str) -> Attached:
 
 
 def release_earlier(worker_id: int, running: list[RunningJob]) -> list[RunningJob]:
-    """The earlier session's open assignments that the worker no longer runs are given up as
-    at a disconnect; those it still runs stay open for their reports. Returns what it says it
-    runs that is no longer open here, for the session to abort."""
+    """The earlier session's open assignments the worker no longer runs are given up as at a
+    disconnect; what it says it runs that is no longer open here is returned, to abort."""
     claimed = {(r.job_id, r.assignment_id) for r in running}
     with transaction.atomic(durable=True):
         rows = DispatchedJob.objects.filter(worker_id=worker_id, finished_at__isnull=True)

@@ -1,7 +1,6 @@
-"""A session's three lanes of frames (sessions/frame_queue.py) and the order between them: a
-member's acceptance waits for nothing, a report for the last acceptance before it, a bulk
-frame for the last report before it. What the worker asks for never holds back what it
-reports, and no frame overtakes an earlier one it may depend on."""
+"""A session's three lanes of frames (sessions/frame_queue.py): a member's acceptance waits for
+nothing, a report for the last acceptance before it, a bulk frame for the last report before
+it, so that no frame overtakes an earlier one it may depend on."""
 
 import asyncio
 from collections.abc import Awaitable, Callable

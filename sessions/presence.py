@@ -1,6 +1,5 @@
-"""A session's presence as its worker's: attached in PostgreSQL with the worker's capabilities,
-in the worker's group so that the passes reach it, and kept fresh by touches (the liveness
-pass, sessions.liveness, disconnects a worker whose session stopped touching)."""
+"""A session's presence as its worker's: attached in PostgreSQL, in the worker's group so that
+the passes reach it, and kept fresh by touches (sessions.liveness disconnects the silent)."""
 
 import asyncio
 import logging

@@ -123,9 +123,8 @@ def _run(make_coro, wait: bool = True) -> None:
 
 
 def send_to_worker_on_commit(worker_id: int, message: dict) -> None:
-    """Sends `message` to the worker's session once the current transaction commits, so nothing
-    is announced that then rolls back. The layer carries only wake-ups: if it is unreachable the
-    state is already in PostgreSQL, so log and go on."""
+    """Sends `message` to the worker's session once the transaction commits. The layer carries
+    only wake-ups whose state is in PostgreSQL: if it is unreachable, log and go on."""
 
     async def group_send():
         try:
