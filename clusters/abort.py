@@ -37,8 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REASON = "aborted by an operator"
 # The reason travels in AbortCluster/AbortJob frames, which a worker caps at 1 MiB.
 MAX_REASON_CHARS = 1000
-# Each start-over follows a change another process committed; a bound keeps a cluster that
-# is claimed and released over and over from holding the caller forever.
+# A cluster claimed and released over and over must not hold the caller forever.
 MAX_TRIES = 10
 
 

@@ -40,8 +40,7 @@ def blame_for(failure_kind: str | None) -> str | None:
 @dataclass(frozen=True)
 class Blame:
     how: str  # one of BLAMES
-    # The seat (its dispatched_job id); None for every seat of the attempt that had not
-    # accepted: a prepare timeout is theirs.
+    # The seat's dispatched_job id; None blames every seat that had not accepted (a timeout).
     seat: uuid.UUID | None = None
 
 

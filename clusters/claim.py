@@ -214,8 +214,7 @@ def _member_jobs(attempt_id) -> tuple[list, list]:
     return [e for e, _ in rows if e], [b for _, b in rows if b]
 
 
-# What handing members back to the queue moves, by kind: builds still Building (their
-# Assigned transition undone), evaluations still EvaluatingFlake (started with the attempt).
+# What handing members back moves: builds still Building, evaluations still EvaluatingFlake.
 RELEASED_FROM = {
     JobKind.BUILD: frozenset({BuildStatus.BUILDING}),
     JobKind.EVAL: frozenset({EvaluationStatus.EVALUATING_FLAKE}),

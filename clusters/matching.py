@@ -151,8 +151,7 @@ def solve(cost: np.ndarray) -> np.ndarray | None:
         seated, columns = linear_sum_assignment(cost)
     except ValueError:  # "cost matrix is infeasible": no full matching avoids every np.inf
         return None
-    # Trust but verify: every member seated (not so with fewer columns than members), and
-    # over real edges only.
+    # Trust but verify: every member seated, over real edges only.
     if seated.size != len(cost) or not np.isfinite(cost[seated, columns]).all():
         return None
     return columns

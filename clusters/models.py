@@ -174,8 +174,7 @@ class ClusterJob(models.Model):
     # When the pass last asked the idle workers that could seat its members for their scores
     # (clusters.asking).
     offered_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # Its status and its attempts are counted in cluster_metric_tally (gradient.metrics.fold):
-    # /metrics reads the tally and the untallied clusters' rows alone.
+    # Its status and attempts are counted in cluster_metric_tally (gradient.metrics.fold).
     tallied = models.BooleanField(default=False, db_default=False, editable=False)
 
     class Meta:
@@ -293,8 +292,7 @@ class ClusterAttempt(models.Model):
         db_table = "cluster_attempt"
         ordering = ["created_at"]
         constraints = [
-            # Serves claim_cluster's ON CONFLICT: at most one open attempt per cluster,
-            # which arbitrates between server instances claiming one cluster.
+            # Serves claim_cluster's ON CONFLICT: at most one open attempt per cluster.
             models.UniqueConstraint(
                 fields=["cluster_job"],
                 condition=ATTEMPT_IS_OPEN,

@@ -48,8 +48,7 @@ class Pool:
         self.ids = ids  # each column's worker id
         self._by_id = np.argsort(ids)
         self._sorted_ids = ids[self._by_id]
-        # Worker ids are database keys, nearly dense: a small lookup table beats a search. Its
-        # last entry stays -1 for every id out of range.
+        # Worker ids are nearly dense: a lookup table, its last entry -1 for ids out of range.
         self._lookup = None
         if self.size and ids.min() >= 0 and ids.max() < 16 * self.size + 4096:
             self._lookup = np.full(ids.max() + 2, -1, dtype=np.int64)

@@ -36,8 +36,7 @@ class Settlement(StrEnum):
     COMPLETED = "Completed"
     # Back to the assignment passes.
     REQUEUED = "Requeued"
-    # For good: a build FailedPermanent (a requeueing kind becomes permanent), an evaluation
-    # Failed.
+    # For good: a build FailedPermanent, an evaluation Failed.
     FAILED = "Failed"
     ABORTED = "Aborted"
 

@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 if child.poll() is None:
                     child.terminate()
 
-    # Before the first child starts: a SIGTERM while they start must stop them too, not the
-    # launcher alone.
+    # Before the first child starts, so that a SIGTERM meanwhile stops them too.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     for _ in range(options.processes):

@@ -30,8 +30,7 @@ def authenticate(token: str) -> tuple[int, str] | None:
     nothing compares the secret in Python."""
     if not token:
         return None
-    # Plain SQL: the ORM's compiling of this one lookup cost more than its round trip, and a
-    # reconnect storm makes a thousand of them at once.
+    # Plain SQL: the ORM's compiling of this lookup costs more than its round trip.
     with db_connection.cursor() as cursor:
         cursor.execute(statements.AUTHENTICATE_SQL, [hash_token(token)])
         return cursor.fetchone()

@@ -12,9 +12,8 @@ from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 if TYPE_CHECKING:
     from sessions.requests import Requests
 
-# Frames whose work is the bulk of a session's: offers, scores and requests for work. They wait
-# in a lane of their own, so that the frames after them (an AssignJobResponse, a report) and
-# the passes' frames to the worker (an AssignJob, a StartCluster) never wait for them.
+# The bulk of a session's work, in a lane of their own so that the frames after them and the
+# passes' frames to the worker never wait for them.
 BULK = (RequestJob, JobScores)
 
 
@@ -39,9 +38,8 @@ class Lanes:
         elif isinstance(frame, (*BULK, OfferAll)):
             self._put_bulk(frame)
         elif isinstance(frame, AssignJobResponse) and not self._requests.single(frame.job_id):
-            # A member's answer holds its whole attempt: it does not wait for this worker's
-            # reports before it. The reports after it wait for it, so each job's frames stay
-            # in order.
+            # A member's answer holds its whole attempt: it waits for no report; the reports
+            # after it wait for it, so each job's frames stay in order.
             self.last_accept = self.accepts.put(frame)
         else:
             self.last_report = self.reports.put(frame, after=self.last_accept)

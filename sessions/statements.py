@@ -27,9 +27,8 @@ SET channel_name = %(channel)s, connected_at = %(now)s, last_seen_at = %(now)s, 
 FROM quiet q WHERE w.id = q.id
 RETURNING q.channel_name
 """
-# Liveness in one statement, every workers.liveness.touch_every() seconds of a session that
-# sends frames: the last-seen time written, and whether this session is still the worker's
-# live one with its token good.
+# Liveness in one statement: last_seen_at written, and whether this session is still the
+# worker's live one with its token good.
 TOUCH_SQL = """
 WITH live AS (
     SELECT id FROM worker

@@ -12,8 +12,7 @@ frame_pool = ThreadPoolExecutor(FRAME_THREADS, thread_name_prefix="frames")
 
 
 def db(fn):
-    # Not thread-sensitive: sessions' services run side by side on the executor's threads
-    # instead of queueing behind each other on one.
+    # Not thread-sensitive: the services run side by side on the executor's threads.
     return database_sync_to_async(fn, thread_sensitive=False, executor=frame_pool)
 
 

@@ -99,8 +99,7 @@ class WorkerAdmin(admin.ModelAdmin):
     ]
 
     def get_queryset(self, request):
-        # What the list shows of each worker, in the list's one query: the kinds of its live
-        # idle slots (the planner ignores older ones) and the job keys it runs now.
+        # In the list's one query: the kinds of its live idle slots and the keys it runs now.
         fresh = idle_slot_fresh_since(timezone.now())
         slots = IdleSlot.objects.filter(worker=OuterRef("pk"), recorded_at__gte=fresh)
         running = DispatchedJob.objects.filter(worker=OuterRef("pk"), finished_at__isnull=True)

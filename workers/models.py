@@ -107,8 +107,7 @@ class JobScore(models.Model):
     its JobScores; offered_at is then the answer's time too). A pair never scored has no row
     and counts as the most expensive seat."""
 
-    # The key is the pair: no id column, sequence or index of its own to write for each of
-    # the many rows a busy fleet's answers add.
+    # The pair is the key: no id, sequence or index of its own to write for each row.
     pk = models.CompositePrimaryKey("worker", "job_id")
     worker = models.ForeignKey(
         Worker,

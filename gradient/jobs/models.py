@@ -79,8 +79,7 @@ BUILD_TERMINAL = frozenset(
 )
 # Failures that send a build back to Queued; a spent budget turns them permanent.
 BUILD_REQUEUEABLE = frozenset({B.FAILED_TRANSIENT, B.FAILED_TIMEOUT})
-# A build can be claimed while Queued (the claim's start condition), in the substitute mode
-# the claimer saw.
+# A build can be claimed while Queued, in the substitute mode the claimer saw.
 BUILD_STARTABLE = frozenset({B.QUEUED})
 BUILD_MACHINE = StateMachine(
     "build",
@@ -119,14 +118,12 @@ class JobFields(models.Model):
     prioritized = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    # A member of a Queued or Running cluster: kept by the triggers on cluster_member and
-    # cluster_job (clusters.models, their Meta), whoever writes them. Never a single job.
+    # A member of a Queued or Running cluster, kept by clusters.models' triggers.
     active_member = models.BooleanField(default=False, db_default=False, editable=False)
     # Times a younger single job of its kind was given out while this one was first in line:
     # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
     passed_over = models.PositiveSmallIntegerField(default=0, db_default=0, editable=False)
-    # What the job runs (protocol.md, "Running real work"; the rules: gradient.jobs.work).
-    # Read only for the jobs a claim takes (gradient.jobs.claim), never by the head's walks.
+    # What the job runs (gradient.jobs.work): read by the claims, never by the head's walks.
     command = models.JSONField(null=True, blank=True)
     env = models.JSONField(default=dict, db_default=Value({}, models.JSONField()), blank=True)
     timeout_secs = models.IntegerField(null=True, blank=True)
@@ -282,16 +279,14 @@ class DispatchedJob(models.Model):
     failure_kind = models.CharField(max_length=32, null=True, blank=True)
     # A member's seat that ended its attempt, and how (clusters.blame): its worker's health.
     blame = models.CharField(max_length=32, null=True, blank=True)
-    # The JobFailed's error, and the end of the job's output its report carried
-    # (gradient.jobs.work.kept_error, kept_log_tail).
+    # The JobFailed's error and the end of the job's output (gradient.jobs.work).
     error = models.TextField(null=True, blank=True)
     log_tail = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatched_job"
         constraints = [
-            # Serves the claim's ON CONFLICT (job_id) WHERE finished_at IS NULL:
-            # at most one open assignment per job key, arbitrated by PostgreSQL.
+            # Serves the claim's ON CONFLICT: at most one open assignment per job key.
             models.UniqueConstraint(
                 fields=["job_id"],
                 condition=Q(finished_at__isnull=True),

@@ -59,8 +59,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     def frame(self) -> str:
-        # pydantic's own JSON encoder, a few times faster than json.dumps of a dumped dict: a
-        # dispatch pass frames thousands of AssignJobs. The type goes first, as in every frame.
+        # pydantic's own encoder, far faster than json.dumps; the type goes first in a frame.
         body = self.model_dump_json()
         head = '{"type":' + json.dumps(type(self).__name__)
         return head + "}" if body == "{}" else head + "," + body[1:]
@@ -101,8 +100,7 @@ class WorkerCapabilities(Message):
     fetch: StrictBool
     zone: Zone | None = None
     endpoint: Endpoint | None = None
-    # What the worker still runs, or holds a report of, from an earlier session (a server
-    # restart, a lost connection): those assignments stay open instead of being given up.
+    # What the worker still runs from an earlier session: those assignments stay open.
     running: Annotated[list[RunningJob], Field(max_length=10_000)] = []
 
 
