@@ -57,9 +57,8 @@ class AlreadyFinished(AbortRefused):
 
 
 def abort_cluster(cluster_id, reason: str = DEFAULT_REASON) -> str:
-    """Abort the cluster and its member jobs; its final status (Aborted). Raises AbortRefused
-    (UnknownCluster, AlreadyFinished, ...) having changed nothing. Call it outside any
-    transaction: frames go out after the commits that justify them."""
+    """Abort the cluster and its member jobs; its final status. Raises AbortRefused having changed
+    nothing. Call it outside any transaction: frames go out after the commits that justify them."""
     if len(reason) > MAX_REASON_CHARS:
         raise AbortRefused(f"the reason is longer than {MAX_REASON_CHARS} characters")
     for _ in range(MAX_TRIES):

@@ -73,9 +73,8 @@ def bound_lock_waits() -> None:
 
 
 def _claim(claims: list[ClusterClaim]) -> set[int]:
-    """Claim every cluster of `claims` (disjoint, each with members) in one transaction; the
-    clusters won. Raises _Lost (rolled back) when an opened attempt did not get all its
-    members, builds and seats, and OperationalError on a lock_timeout."""
+    """Claim every cluster of `claims` (disjoint) in one transaction; the clusters won. Raises
+    _Lost when an opened attempt did not get its every member, build and seat."""
     claims = sorted(claims, key=lambda c: c.cluster_id)
     for claim in claims:
         for member in claim.members:

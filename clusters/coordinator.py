@@ -64,9 +64,8 @@ START_PARAMS = {
 
 
 def accept_assignment(worker_id: int, job_id: str) -> bool | None:
-    """An AssignJobResponse(accepted): None for a single job, which needs nothing more. A
-    member's acceptance is recorded; the last one starts the attempt and, after its commit,
-    sends every member StartCluster with the roster: True when this acceptance started it."""
+    """An AssignJobResponse(accepted): None for a single job. A member's acceptance is recorded;
+    True when it was the last, which starts the attempt and sends StartCluster to every member."""
     params = {
         "worker": worker_id,
         "job": job_id,
@@ -108,9 +107,8 @@ def _send_start(attempt_id, seats) -> None:
 
 
 def abort_prepare(attempt_id, reason: str, blame: Blame | None = None) -> bool:
-    """A reject, the prepare timeout, or a held member's failure: the attempt closes
-    PrepareFailed (blaming the seat that failed it) and every member is told to drop its hold.
-    False when the attempt had started or closed already (then this is not a failed prepare)."""
+    """A reject, the prepare timeout, or a held member's failure: the attempt closes PrepareFailed
+    and every member drops its hold. False when the attempt had started or closed already."""
     if not fail_prepare_attempt(attempt_id, blame):
         return False
     notify_abort(attempt_id, reason)

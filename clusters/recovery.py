@@ -36,9 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_orphaned_attempts(now=None) -> list:
-    """Started attempts whose members are gone resolve through the verdict: a member job ended
-    outside the attempt decides it (Abort if aborted, else Fail); a silent worker's member reports
-    as lost."""
+    """Started attempts whose members are gone: a member job ended outside the attempt decides it
+    (Abort if aborted, else Fail); a silent worker's member reports as lost."""
     now = now or timezone.now()
     silent = silent_before(now)
     with connection.cursor() as cursor:

@@ -75,9 +75,8 @@ def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np
 
 @contextmanager
 def own_connection():
-    """Work on a pass's thread, with that thread's own connection: dropped before if it broke
-    or aged out, and after if it aged out meanwhile (CONN_MAX_AGE), as Django does around a
-    request."""
+    """Work on a pass's thread with its own connection, dropped before and after if it broke or
+    outlived CONN_MAX_AGE, as Django does around a request."""
     close_old_connections()
     try:
         yield

@@ -36,9 +36,8 @@ def clusters_waiting() -> bool:
 
 
 def wake_dispatch() -> bool:
-    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
-    for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
-    up for."""
+    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits for
+    seats. Best effort: the periodic pass makes up for a lost wake-up."""
     try:
         client = _client()
         # Under a busy fleet a pass is nearly always queued: one Redis read then spares each

@@ -37,9 +37,8 @@ def authenticate(token: str) -> tuple[int, str] | None:
 
 
 def abandon_single_assignments(worker_id: int, keep=frozenset()) -> int:
-    """The worker is gone: its open single assignments (but those in `keep`, which it still runs)
-    end Abandoned and their jobs are requeued, and its idle slots dropped. Its cluster members are
-    left to their attempt's verdict."""
+    """The worker is gone: its open single assignments but those in `keep` end Abandoned, their
+    jobs requeued, its idle slots dropped; its cluster members are left to their attempts."""
     rows = list(
         DispatchedJob.objects.select_for_update()
         .filter(worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True)

@@ -1,6 +1,5 @@
 """The /proto session: authenticate at the handshake, then per frame parse, call one service,
-reply. Transactions live in the services (run in a thread by database_sync_to_async), never
-across awaits; state lives in PostgreSQL, so any number of daphne processes can serve."""
+reply. Transactions live in the services, never across awaits; state lives in PostgreSQL."""
 
 import contextlib
 

@@ -99,9 +99,8 @@ def job_failed(
     error: str | None = None,
     log_tail: str | None = None,
 ) -> None:
-    """The member path goes first; an assignment that is no member's is a single's, whose
-    failure then runs in the transaction the member path opened: telling them apart costs
-    neither a query of its own."""
+    """The member path goes first; a single's failure then runs in the transaction it opened, so
+    telling them apart costs no query of its own."""
     pk = _assignment_pk(assignment_id)
     report = {"error": kept_error(error), "log_tail": kept_log_tail(log_tail)}
 

@@ -18,9 +18,8 @@ def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.H
 def answer_request(
     worker_id: int, kind: str, worker=None, head=None, sizes=None, resend: bool = False
 ):
-    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
-    and a cluster may now have its full placement, so the dispatch pass wakes (not for a
-    resend's slot that a pass has seen already)."""
+    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded that
+    may complete a placement, so the dispatch pass wakes (unless a pass has seen it already)."""
     reserved = seat_reserved_sql(kind)
     answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend, reserved)
     if answer.wake:

@@ -47,9 +47,8 @@ class Starts:
 
 
 class SessionStart:
-    """One session's start, counted among its loop's pending ones from its handshake to its
-    InitAck, and for STARTS_FIRST_SECS at most: a worker that never sends its capabilities must
-    not hold the other sessions' frames back for longer."""
+    """One session's start, pending from its handshake to its InitAck, for STARTS_FIRST_SECS at
+    most: a worker that never sends its capabilities must not hold the others back longer."""
 
     def __init__(self):
         self.under_way = False

@@ -74,9 +74,8 @@ def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool, reserved: str) 
 
 
 def _assigned(how: Offerable) -> dict:
-    """The parameters of the Assigned transition of a job claimed this way: a build goes
-    Building; an evaluation Fetching for a fetch-only worker, else EvaluatingFlake (from Queued
-    or Fetching alike)."""
+    """The Assigned transition of a job claimed this way: a build goes Building; an evaluation
+    Fetching for a fetch-only worker, else EvaluatingFlake."""
     if how.kind == JobKind.BUILD:
         to = BuildStatus.BUILDING
     else:

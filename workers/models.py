@@ -103,9 +103,8 @@ def idle_slot_fresh_since(now: datetime) -> datetime:
 
 
 class JobScore(models.Model):
-    """A worker's answer for a job it was offered: what it would have to fetch (written by
-    its JobScores; offered_at is then the answer's time too). A pair never scored has no row
-    and counts as the most expensive seat."""
+    """A worker's answer for a job it was offered: what it would have to fetch. A pair never
+    scored has no row and counts as the most expensive seat."""
 
     # The pair is the key: no id, sequence or index of its own to write for each row.
     pk = models.CompositePrimaryKey("worker", "job_id")

@@ -54,9 +54,8 @@ def finish_assignments(
     error: str | None = None,
     log_tail: str | None = None,
 ) -> int:
-    """End every listed open assignment with its outcome (and what a report says: a
-    JobFailed's kind and error, the output's log tail, as gradient.jobs.work keeps them); how
-    many were open."""
+    """End every listed open assignment with its outcome and what its report says (failure kind,
+    error, log tail); how many were open."""
     params = {
         "ids": list(pks),
         "failure_kind": failure_kind,
