@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from clusters.book import role_indexes
 from clusters.explain import explain
+from clusters.history import roster_order
 from clusters.models import (
     AttemptOutcome,
     ClusterAttempt,
@@ -260,8 +261,7 @@ def _add_seats(line: dict, seat_of: dict[str, tuple[str, int]]) -> None:
             }
         )
     for bar in line["bars"]:
-        # As show_cluster orders them; a row whose member is gone (its job collected) goes last.
-        bar["seats"].sort(key=lambda s: (s["role"] is None, s["role"] or "", s["index"] or 0))
+        bar["seats"].sort(key=roster_order)
 
 
 def _open_seat(attempt: ClusterAttempt, accepted_at) -> str:
