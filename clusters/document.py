@@ -109,8 +109,7 @@ def _refusal(exc: ValidationError) -> SubmissionError:
 
 
 def read_document(data: bytes) -> tuple[ClusterDocument, list[MemberSpec]]:
-    """The document and its members as submit_cluster takes them; SubmissionError names the
-    field that breaks a rule."""
+    """The document and its members as submit_cluster takes them, or a SubmissionError."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:

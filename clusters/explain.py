@@ -203,8 +203,7 @@ def _free(reserved: dict[int, int], worker: _Connected, cluster_id: int) -> bool
 
 
 def _reason(member: planner.Member, worker: _Connected, seats: set[int], reserved, cluster_id):
-    """None if the worker is one of the member's seats, else the first reason it is not (the
-    zone aside)."""
+    """None if the worker can seat the member, else the first reason it cannot (the zone aside)."""
     if worker.view.id in seats:
         return None
     if worker.view.quarantined:

@@ -76,8 +76,7 @@ class Pool:
         return [(None, slice(0, self.size))]
 
     def short_of(self, seats: np.ndarray, same_zone: bool, k: int) -> bool:
-        """Whether these seats (columns) number fewer than k in some column range that
-        groups() gives for a cluster."""
+        """Whether these seats (columns) number fewer than k in some range of groups()."""
         if not same_zone:
             return seats.size < k
         counts = np.bincount(self._zone_of[seats], minlength=self._peopled.size)

@@ -228,8 +228,7 @@ def _record_report(
 
 
 def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None:
-    """A report that finished nothing is accepted for a row the decided verdict settled, else
-    NotAllowed."""
+    """A report that finished nothing: accepted for a row the verdict settled, else NotAllowed."""
     row = next(m for m in attempt.members if str(m.id) == str(assignment_id))
     if row.finished_at is None:
         raise NotAllowed(f"{job_id} must not run before StartCluster")

@@ -89,8 +89,7 @@ def check_members(members: list[MemberSpec]) -> None:
 
 
 def check_pins(project: Project, members: list[MemberSpec]) -> None:
-    """A pin that can never seat its member would leave the cluster waiting forever. The
-    refusal's field is the first such member's pin."""
+    """A pin that can never seat its member would leave the cluster waiting forever."""
     pins = [m.pin for m in members if m.pin is not None]
 
     def refuse(message: str, names: set[str]):

@@ -20,8 +20,7 @@ def _plain(value):
 
 
 def ids(cluster=None, attempt=None, worker=None) -> dict:
-    """The `extra=` of a log call: the ids given (a worker id, or a list of them for a line about
-    several), leaving out those not given."""
+    """The `extra=` of a log call: the ids given (a worker id, or a list of them), no others."""
     given = {"cluster": cluster, "attempt": attempt, "worker": worker}
     return {name: _plain(value) for name, value in given.items() if value is not None}
 

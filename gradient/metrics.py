@@ -291,8 +291,7 @@ def _with_tally(histogram, label: str, tally, metric: str):
 
 
 def counted(queryset, field: str, labels) -> dict:
-    """The rows of `queryset` counted by `field`, in one aggregate, every label given (0 when
-    none), so a series never disappears from a scrape."""
+    """The rows counted by `field`, every label given (0 when none): no series disappears."""
     counts = dict.fromkeys(labels, 0)
     for row in queryset.order_by().values(field).annotate(n=Count("pk")):
         counts[row[field]] = row["n"]

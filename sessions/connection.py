@@ -58,8 +58,7 @@ class Attached(NamedTuple):
 
 
 def attach(worker_id: int, channel_name: str) -> Attached:
-    """Record this session as the worker's live one (so the old session's own disconnect,
-    seeing it is no longer the live one, does nothing)."""
+    """Record this session as the live one, so that the old one's own disconnect does nothing."""
     now = timezone.now()
     with db_connection.cursor() as cursor:
         cursor.execute(
@@ -106,8 +105,7 @@ def detach(worker_id: int, channel_name: str) -> bool:
 
 
 def touch(worker_id: int, channel_name: str) -> bool:
-    """Liveness: False when this session is no longer the worker's live one or its token was
-    revoked."""
+    """Liveness: False when this session is no longer the live one or its token was revoked."""
     params = {"worker": worker_id, "channel": channel_name, "now": timezone.now()}
     with db_connection.cursor() as cursor:
         cursor.execute(statements.TOUCH_SQL, params)

@@ -82,8 +82,7 @@ class FrameQueue:
 
 
 class Touch(NamedTuple):
-    """A session's group join, and when due its liveness check, queued with its bulk frames
-    (not a protocol message)."""
+    """A session's group join and, when due, liveness check, queued with its bulk frames."""
 
     liveness: bool
 

@@ -150,8 +150,7 @@ def release_single(rows) -> None:
 
 
 def job_accepted(worker_id: int, job_id: str) -> None:
-    """A single job needs nothing more; a member's acceptance may start its attempt. One
-    statement either way (clusters.coordinator.accept_assignment)."""
+    """A single job needs nothing more; a member's acceptance may start its attempt."""
     accept_assignment(worker_id, job_id)
 
 

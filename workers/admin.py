@@ -152,8 +152,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.display(description="recent seats")
     def recent_seats(self, worker):
-        """The latest cluster seats, newest first, with the blame of those that ended their
-        attempt."""
+        """The latest cluster seats, newest first, with the blame of those that ended one."""
         rows = health.seat_rows(worker.pk)
         if not rows:
             return "-"

@@ -36,8 +36,7 @@ def quarantine_due(blamed_in_row: int, quarantined: bool, after: int) -> bool:
 
 
 def on_probation(worker: Worker, now: datetime) -> bool:
-    """Lifted from an automatic quarantine, with no seat succeeded since: its next blamed seat
-    quarantines it again."""
+    """Lifted from an automatic quarantine, no seat succeeded since: a blamed seat quarantines."""
     after = settings.GRADIENT["QUARANTINE_AFTER"]
     return (
         worker.quarantined_by == AUTOMATIC
@@ -104,8 +103,7 @@ RECENT_SEATS = 20
 
 
 def seat_rows(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
-    """The worker's latest cluster seats, newest first: attempt, cluster, job_id, outcome,
-    blame, dispatched_at."""
+    """The worker's latest cluster seats, newest first."""
     return list(
         DispatchedJob.objects.filter(worker_id=worker_id, cluster_attempt__isnull=False)
         .order_by("-dispatched_at", "-id")

@@ -97,8 +97,7 @@ class IdleSlot(models.Model):
 
 
 def idle_slot_fresh_since(now: datetime) -> datetime:
-    """The idle slot's still-fresh cutoff: a slot recorded at or after it is live, an older
-    one stale (GRADIENT_IDLE_SLOT_TTL_SECS)."""
+    """The idle slot's still-fresh cutoff: a slot recorded at or after it is live."""
     return now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
 
 

@@ -89,8 +89,7 @@ def check_work(command: Any, env: Any, timeout_secs: Any) -> None:
 
 
 def kept_log_tail(log_tail: str | None) -> str | None:
-    """The last MAX_LOG_TAIL_BYTES of a report's log_tail, cut at its start on a character
-    boundary."""
+    """The last MAX_LOG_TAIL_BYTES of a report's log_tail, cut on a character boundary."""
     if log_tail is None:
         return None
     data = log_tail.encode()

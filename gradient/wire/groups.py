@@ -51,8 +51,7 @@ class _SenderLoop:
             self._pending.discard(future)
 
     def drain(self, timeout: float = SEND_TIMEOUT_SECS) -> None:
-        """Wait for the sends submitted so far (a process about to exit, a test reading what
-        a pass sent)."""
+        """Wait for the sends submitted so far (before an exit, or for a test)."""
         with self._lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout)
