@@ -89,8 +89,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
 
 
 def _send_start(attempt_id, seats) -> None:
-    """StartCluster to every seat of the started attempt; `seats` are (worker id, name, zone,
-    endpoint, role, index), the roster in (role, index) order as _seats orders it."""
+    """StartCluster to every seat of the started attempt, `seats` in roster order (_seats)."""
     seats = sorted(seats, key=lambda s: (s[4], s[5]))
     roster = [
         RosterEntry(role=role, index=index, worker=name, zone=zone, endpoint=endpoint)
@@ -117,8 +116,7 @@ def abort_prepare(attempt_id, reason: str, blame: Blame | None = None) -> bool:
 
 
 def expire_overdue_prepares(now=None) -> list:
-    """Open, unstarted attempts past their prepare deadline (scheduler.clusterPrepareTimeoutSecs
-    after the claim) close PrepareFailed, as a reject would."""
+    """Unstarted attempts past their prepare deadline close PrepareFailed, as a reject would."""
     now = now or timezone.now()
     deadline = now - timedelta(seconds=settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"])
     overdue = ClusterAttempt.objects.filter(

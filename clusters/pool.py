@@ -1,8 +1,6 @@
-"""The planner's idle workers as columns: who may seat whom, zones, who is taken.
-
-Every worker is one column, and eligibility a boolean mask over the columns, cached per member
-profile (kind, pin, architecture, features, project), so that a new profile costs a few mask
-operations and a cluster never a Python loop over pairs.
+"""The planner's idle workers as columns: who may seat whom, zones, who is taken. Eligibility
+is a boolean mask over the columns, cached per member profile, so that a cluster never costs a
+Python loop over pairs.
 """
 
 from __future__ import annotations

@@ -140,8 +140,7 @@ def _fail_single(row: DispatchedJob, kind: str) -> None:
 
 
 def release_single(rows) -> None:
-    """Abandoned single assignments (a disconnect, a silent worker): their jobs go back to the
-    queue. A failed prepare and a retry release cluster members through clusters.claim."""
+    """Abandoned single assignments (a disconnect, a silent worker): their jobs are requeued."""
     for row in rows:
         if row.kind == JobKind.BUILD:
             advance_build(row.derivation_build_id, BuildStatus.QUEUED, {BuildStatus.BUILDING})

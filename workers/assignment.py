@@ -1,9 +1,5 @@
 """The single path: RequestJob -> the cheapest job of the worker's head -> claim -> AssignJob.
-
-Members of a Queued or Running cluster are never given out here: they start only through
-their cluster (clusters.book). Nothing to give records an idle slot, the planner's view
-of free capacity.
-"""
+Cluster members start only through their cluster; nothing to give records an idle slot."""
 
 import functools
 import uuid

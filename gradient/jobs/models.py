@@ -1,7 +1,5 @@
 """The existing jobs that clusters group: projects, evaluations, shared builds, assignments.
-
-This app knows nothing of clusters or of workers' sessions; other apps point at it.
-"""
+This app knows nothing of clusters or of workers' sessions; other apps point at it."""
 
 import uuid
 
@@ -140,8 +138,7 @@ class JobFields(models.Model):
 
 
 def timeout_range(table: str) -> models.CheckConstraint:
-    """timeout_secs null or 1 to MAX_TIMEOUT_SECS, held by PostgreSQL too (an integer
-    comparison: what every write of the row pays for it is nothing)."""
+    """timeout_secs null or 1 to MAX_TIMEOUT_SECS, held by PostgreSQL too, at no cost."""
     return models.CheckConstraint(
         condition=Q(timeout_secs__isnull=True)
         | Q(timeout_secs__gte=1, timeout_secs__lte=MAX_TIMEOUT_SECS),

@@ -54,8 +54,7 @@ def finish_assignments(
     error: str | None = None,
     log_tail: str | None = None,
 ) -> int:
-    """End every listed open assignment with its outcome and what its report says (failure kind,
-    error, log tail); how many were open."""
+    """End every listed open assignment with its outcome and its report's output; how many."""
     params = {
         "ids": list(pks),
         "failure_kind": failure_kind,
