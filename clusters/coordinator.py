@@ -1,9 +1,6 @@
 """The spec's Prepare and Start, and Signals: acceptances, rejections, held members' failures,
 the prepare timeout, StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
-
-Every decision is a transaction that re-reads the rows it decides on; messages to workers go
-out after the commit that justifies them.
-"""
+Every decision is a transaction that re-reads its rows; frames go out after its commit."""
 
 import logging
 import uuid

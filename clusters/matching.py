@@ -1,8 +1,6 @@
-"""The planner's costs and solver: score rows per job key, seat costs, shortlists, matching.
-
-A member's scores are a row, cheapest first; a cluster's seat costs a k x columns matrix; the
-solver is scipy's minimum-cost assignment over at most k cheapest seats per member (cheapest).
-"""
+"""The planner's costs and solver: a member's scores are a row, cheapest first; a cluster's
+seat costs a k x columns matrix; scipy's minimum-cost assignment over at most k cheapest seats
+per member (cheapest) solves it."""
 
 from __future__ import annotations
 

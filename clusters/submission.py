@@ -1,6 +1,5 @@
 """submit_cluster: a member SPEC parsed into a MemberSpec, and the cluster created with its
-member jobs in one transaction (whether its members came as SPECs or as a document,
-clusters.document).
+member jobs in one transaction, from SPECs or a document (clusters.document).
 
 SPEC is `ROLE:KIND[:primary][:pin=WORKER][:arch=ARCH][:features=F1+F2][:paths=P1+P2]`.
 """

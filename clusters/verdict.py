@@ -1,8 +1,5 @@
 """The spec's verdict, as pure functions: what the reports so far decide for an attempt, and
-where each member's job goes once it is decided.
-
-The first deciding report resolves the attempt; the verdict then settles every member.
-"""
+where each member's job goes once it is decided."""
 
 from dataclasses import dataclass
 from enum import StrEnum

@@ -1,6 +1,5 @@
 """Waking the dispatch pass between its periodic runs: coalesced in Redis, so a burst of
-unanswered RequestJobs queues one pass. The pass is queued by its task's name, which is all
-the callers (sessions, submission) need of clusters.tasks."""
+unanswered RequestJobs queues one pass, by its task's name alone."""
 
 import logging
 

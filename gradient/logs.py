@@ -1,7 +1,5 @@
-"""Structured logs: a record names the cluster, attempt and worker it is about through
-`extra=ids(...)`, and the JSON formatter (GRADIENT_LOG_FORMAT=json) emits them as fields, so a
-log search can follow one cluster across every process. The plain format is unchanged: the
-message text names them already."""
+"""Structured logs: a record names its cluster, attempt and worker through `extra=ids(...)`,
+and the JSON formatter emits them as fields, so a search can follow one cluster everywhere."""
 
 import json
 import logging

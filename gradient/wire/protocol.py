@@ -1,8 +1,6 @@
 """Worker protocol v1 (shared protocol.md): one schema per message, validated in one place.
-
 Imports nothing of the project's apps, so the reference worker and tests use it as a client.
-Unknown fields are ignored; a missing or mistyped field is a ProtocolError naming it.
-"""
+Unknown fields are ignored; a missing or mistyped field is a ProtocolError naming it."""
 
 import json
 from functools import cached_property
