@@ -1,19 +1,13 @@
 """Aborting a cluster job as an evaluation abort would (the spec's Recovery, the Abort verdict).
 
-- An open attempt is decided Abort through settlement.abort_attempt, the verdict path a member's
-  evaluation abort takes: the attempt ends Aborted, the cluster Aborted, reported members
-  settle with their own outcome and survivors end Aborted and are told AbortCluster. A started
-  attempt's survivors also get AbortJob, as an evaluation abort reaches a running job; their
-  later JobFailed{aborted} reports find their rows settled and change nothing. An unstarted
-  attempt (prepare in progress) closes the same way: every held member is told AbortCluster
-  and its job (Queued, or Building since the claim) ends Aborted.
+- An open attempt is decided Abort through settlement.abort_attempt, a member's evaluation
+  abort's path: reported members settle with their own outcome, survivors end Aborted and are
+  told AbortCluster (and AbortJob once started; their later JobFailed{aborted} changes nothing).
 - Without an open attempt (waiting, or a stranded Running cluster), one transaction ends the
   cluster and its member jobs Aborted.
 
-Every step re-checks under the lock it takes, in the claim module's order (an attempt row,
-then its cluster_job), and a step that finds the state moved on writes nothing; the abort
-then starts over from what is there now: a claim won meanwhile is aborted as an attempt, a
-retry as a waiting cluster, and a cluster a report finished meanwhile is refused.
+Every step re-checks under its lock, in the claim module's order, and writes nothing if the
+state moved on; the abort then starts over from what is there now.
 """
 
 import logging
@@ -43,8 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REASON = "aborted by an operator"
 # The reason travels in AbortCluster/AbortJob frames, which a worker caps at 1 MiB.
 MAX_REASON_CHARS = 1000
-# Each start-over follows a change another process committed; a bound keeps a cluster that
-# is claimed and released over and over from holding the caller forever.
+# A cluster claimed and released over and over must not hold the caller forever.
 MAX_TRIES = 10
 
 
@@ -64,9 +57,8 @@ class AlreadyFinished(AbortRefused):
 
 
 def abort_cluster(cluster_id, reason: str = DEFAULT_REASON) -> str:
-    """Abort the cluster and its member jobs; its final status (Aborted). Raises AbortRefused
-    (UnknownCluster, AlreadyFinished, ...) having changed nothing. Call it outside any
-    transaction: frames go out after the commits that justify them."""
+    """Abort the cluster and its member jobs; its final status. Raises AbortRefused having changed
+    nothing. Call it outside any transaction: frames go out after the commits that justify them."""
     if len(reason) > MAX_REASON_CHARS:
         raise AbortRefused(f"the reason is longer than {MAX_REASON_CHARS} characters")
     for _ in range(MAX_TRIES):

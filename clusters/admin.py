@@ -127,8 +127,7 @@ class ClusterJobAdmin(HistoryListMixin, ViewOnlyMixin, admin.ModelAdmin):
     actions = ["abort_selected"]
 
     def has_abort_permission(self, request):
-        # The form stays read-only (no change permission through the admin); aborting, which
-        # goes through the verdict path, is for staff holding the model's change permission.
+        # The form stays read-only; aborting is for staff holding the model's change permission.
         user = request.user
         return user.is_active and user.is_staff and user.has_perm("clusters.change_clusterjob")
 

@@ -1,10 +1,9 @@
 """Blame (protocol.md, "Worker health"): the seat that ended its attempt, and how.
 
-A seat is blamed when it is the one that ended its attempt: its rejection, its prepare timeout,
-its loss with its worker (disconnect, revocation, liveness), or its JobFailed of a kind that
-says the machine failed rather than the job. A survivor that was aborted is never blamed. The
-blame is written with the seat, and counted against its worker (workers.health), in the
-transaction that closes the attempt, so that the close and the count happen once, together.
+By its rejection, its prepare timeout, its loss with its worker, or a JobFailed that says the
+machine failed rather than the job; an aborted survivor is never blamed. The blame is written
+and counted against its worker (workers.health) in the transaction that closes the attempt,
+so both happen once, together.
 """
 
 import logging
@@ -41,8 +40,7 @@ def blame_for(failure_kind: str | None) -> str | None:
 @dataclass(frozen=True)
 class Blame:
     how: str  # one of BLAMES
-    # The seat (its dispatched_job id); None for every seat of the attempt that had not
-    # accepted: a prepare timeout is theirs.
+    # The seat's dispatched_job id; None blames every seat that had not accepted (a timeout).
     seat: uuid.UUID | None = None
 
 

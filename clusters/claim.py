@@ -1,16 +1,12 @@
-"""The spec's Claim and Close, and fail-prepare. The start is the last member's acceptance
-(clusters.statements.ACCEPT_SQL), resolve a member's deciding report (clusters.settlement).
+"""The spec's Claim and Close, and fail-prepare (the start is ACCEPT_SQL, the resolution
+clusters.settlement).
 
-Lock order, so that two of these never wait on each other in a circle: an existing attempt
-first, then its dispatched_job rows, then its cluster_job, then the member jobs. A claim
-takes its seats first, in (worker, kind) order (claims of different clusters share seats,
-never member jobs), then locks its cluster, but only to insert a new attempt, which conflicts
-with no existing one (ON CONFLICT DO NOTHING returns at once), and claims its members in
-job-key order. A batch of claims takes each step for all its clusters at once, in the same
-order: every seat by (worker, kind), the clusters by id, the members by job key, the builds.
-A close that blames seats locks their workers' rows last, in id order (clusters.blame); a
-member's success locks its worker's row after its own row, and no lock of another attempt's
-cluster or jobs ever waits behind it.
+Lock order, so that two of these never wait on each other in a circle: an existing attempt,
+its dispatched_job rows, its cluster_job, the member jobs. A claim takes its seats first, by
+(worker, kind), then its cluster (only to insert a new attempt, which waits on no existing
+one), then its members by job key; a batch takes each step for all its clusters at once. A
+close that blames seats locks their workers last, by id; a member's success locks its worker
+after its own row.
 """
 
 import json
@@ -77,9 +73,8 @@ def bound_lock_waits() -> None:
 
 
 def _claim(claims: list[ClusterClaim]) -> set[int]:
-    """Claim every cluster of `claims` (disjoint, each with members) in one transaction; the
-    clusters won. Raises _Lost (rolled back) when an opened attempt did not get all its
-    members, builds and seats, and OperationalError on a lock_timeout."""
+    """Claim every cluster of `claims` (disjoint) in one transaction; the clusters won. Raises
+    _Lost when an opened attempt did not get its every member, build and seat."""
     claims = sorted(claims, key=lambda c: c.cluster_id)
     for claim in claims:
         for member in claim.members:
@@ -143,11 +138,8 @@ def _claim(claims: list[ClusterClaim]) -> set[int]:
 def claim_cluster(claim: ClusterClaim) -> bool:
     """Open an attempt and claim every member in one transaction; False writes nothing.
 
-    The attempt is inserted only while the cluster is Queued and its seats are idle, and
-    idx-cluster_attempt-open makes a second claimer insert nothing. Each member then goes
-    through the single-assignment claim statement; one that inserts nothing (the job is open
-    elsewhere, or cannot start) rolls the whole attempt back. Build members get their Assigned
-    transition in the same step.
+    The attempt is inserted only while the cluster is Queued and its seats idle; a member the
+    single-assignment statement refuses (open elsewhere, or unable to start) rolls it all back.
     """
     if not claim.members:
         return False
@@ -162,11 +154,9 @@ def claim_cluster(claim: ClusterClaim) -> bool:
 
 
 def claim_clusters(claims: list[ClusterClaim]) -> list[bool]:
-    """claim_cluster for each of many clusters, in one transaction and one round trip for
-    them all (and the commit); whether each won. Every claim still wins or loses on its own:
-    one that loses writes nothing. Should the batch fail as a whole (a member open elsewhere,
-    a lock_timeout behind a frozen rival), it rolls back and each claim goes again alone, so
-    that only the one in the way loses.
+    """claim_cluster for each of many clusters, in one transaction and one round trip; whether
+    each won. Should the batch fail as a whole, each claim goes again alone, so that only the one
+    in the way loses.
     """
     if not _disjoint(claims):
         # Claims that share a cluster, a job or a seat decide against each other in order.
@@ -199,12 +189,9 @@ def _disjoint(claims: list[ClusterClaim]) -> bool:
 def close_cluster_attempt(
     attempt_id, outcome: str, now: datetime | None = None, *, cluster_status: str | None = None
 ) -> int | None:
-    """Close an open attempt with its outcome, abandoning every open member row with it, and
-    move its cluster to `cluster_status` if given.
-
-    Runs in the caller's transaction (alone, it is one statement, so still all or nothing).
-    Returns the cluster's id, or None (falsy) when the attempt could not close: a second
-    close, such as a prepare timeout racing a member's failure, touches nothing.
+    """Close an open attempt with its outcome, abandoning its open member rows, and move its
+    cluster to `cluster_status` if given, in one statement of the caller's transaction. The
+    cluster's id, or None when the attempt was closed already (a second close touches nothing).
     """
     now = now or timezone.now()
     params = {
@@ -226,8 +213,7 @@ def _member_jobs(attempt_id) -> tuple[list, list]:
     return [e for e, _ in rows if e], [b for _, b in rows if b]
 
 
-# What handing members back to the queue moves, by kind: builds still Building (their
-# Assigned transition undone), evaluations still EvaluatingFlake (started with the attempt).
+# What handing members back moves: builds still Building, evaluations still EvaluatingFlake.
 RELEASED_FROM = {
     JobKind.BUILD: frozenset({BuildStatus.BUILDING}),
     JobKind.EVAL: frozenset({EvaluationStatus.EVALUATING_FLAKE}),
@@ -242,14 +228,10 @@ def release_members(attempt_id) -> None:
 
 
 def fail_prepare_attempt(attempt_id, blame: Blame | None = None) -> bool:
-    """The spec's fail-prepare, one transaction: a reject, a prepare timeout or a held member's
-    failure closes the unstarted attempt PrepareFailed (close_cluster_attempt) and hands its
-    builds back. The spec also puts a Running cluster back to Queued; a cluster goes Running
-    only when its attempt starts (ACCEPT_SQL in clusters.coordinator), so the cluster of an
-    unstarted attempt is still Queued and nothing is written to it. Failed prepares are not
-    counted (the counter moves at the start too), and the backoff runs from this attempt's
-    finished_at. The seat that failed it (`blame`) is blamed in the same transaction. False
-    if the attempt had started or was closed already: nothing changes."""
+    """The spec's fail-prepare, one transaction: the unstarted attempt closed PrepareFailed, its
+    builds handed back and the seat that failed it blamed. Its cluster is still Queued (it goes
+    Running only at the start), so nothing is written to it. False if the attempt had started or
+    was closed already."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
         if close_cluster_attempt(attempt_id, AttemptOutcome.PREPARE_FAILED):

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from clusters.book import role_indexes
 from clusters.explain import explain
+from clusters.history import roster_order
 from clusters.models import (
     AttemptOutcome,
     ClusterAttempt,
@@ -41,9 +42,8 @@ MIN_BAR_WIDTH = 0.4
 TICKS = 4  # intervals of the axis: labels at 0, 25, 50, 75 and 100 %
 # Workers named per reason in "why it waits"; the rest are counted.
 NAMES_PER_REASON = 8
-# The attempts, newest first, whose seats show their log tails on the page; an older seat's
-# is a link to its assignment's page. A tail is up to 64 KiB: a page of every attempt drawn
-# could run to megabytes.
+# The attempts, newest first, whose seats show their log tails; an older seat's is a link, so
+# that a page of many attempts stays small.
 LOG_ATTEMPTS = 5
 
 
@@ -261,8 +261,7 @@ def _add_seats(line: dict, seat_of: dict[str, tuple[str, int]]) -> None:
             }
         )
     for bar in line["bars"]:
-        # As show_cluster orders them; a row whose member is gone (its job collected) goes last.
-        bar["seats"].sort(key=lambda s: (s["role"] is None, s["role"] or "", s["index"] or 0))
+        bar["seats"].sort(key=roster_order)
 
 
 def _open_seat(attempt: ClusterAttempt, accepted_at) -> str:

@@ -1,9 +1,6 @@
 """The spec's Prepare and Start, and Signals: acceptances, rejections, held members' failures,
 the prepare timeout, StartCluster with the roster, AbortCluster, and forwarding ClusterSignal.
-
-Every decision is a transaction that re-reads the rows it decides on; messages to workers go
-out after the commit that justifies them.
-"""
+Every decision is a transaction that re-reads its rows; frames go out after its commit."""
 
 import logging
 import uuid
@@ -64,9 +61,8 @@ START_PARAMS = {
 
 
 def accept_assignment(worker_id: int, job_id: str) -> bool | None:
-    """An AssignJobResponse(accepted): None for a single job, which needs nothing more. A
-    member's acceptance is recorded; the last one starts the attempt and, after its commit,
-    sends every member StartCluster with the roster: True when this acceptance started it."""
+    """An AssignJobResponse(accepted): None for a single job. A member's acceptance is recorded;
+    True when it was the last, which starts the attempt and sends StartCluster to every member."""
     params = {
         "worker": worker_id,
         "job": job_id,
@@ -90,8 +86,7 @@ def accept_assignment(worker_id: int, job_id: str) -> bool | None:
 
 
 def _send_start(attempt_id, seats) -> None:
-    """StartCluster to every seat of the started attempt; `seats` are (worker id, name, zone,
-    endpoint, role, index), the roster in (role, index) order as _seats orders it."""
+    """StartCluster to every seat of the started attempt, `seats` in roster order (_seats)."""
     seats = sorted(seats, key=lambda s: (s[4], s[5]))
     roster = [
         RosterEntry(role=role, index=index, worker=name, zone=zone, endpoint=endpoint)
@@ -108,9 +103,8 @@ def _send_start(attempt_id, seats) -> None:
 
 
 def abort_prepare(attempt_id, reason: str, blame: Blame | None = None) -> bool:
-    """A reject, the prepare timeout, or a held member's failure: the attempt closes
-    PrepareFailed (blaming the seat that failed it) and every member is told to drop its hold.
-    False when the attempt had started or closed already (then this is not a failed prepare)."""
+    """A reject, the prepare timeout, or a held member's failure: the attempt closes PrepareFailed
+    and every member drops its hold. False when the attempt had started or closed already."""
     if not fail_prepare_attempt(attempt_id, blame):
         return False
     notify_abort(attempt_id, reason)
@@ -119,8 +113,7 @@ def abort_prepare(attempt_id, reason: str, blame: Blame | None = None) -> bool:
 
 
 def expire_overdue_prepares(now=None) -> list:
-    """Open, unstarted attempts past their prepare deadline (scheduler.clusterPrepareTimeoutSecs
-    after the claim) close PrepareFailed, as a reject would."""
+    """Unstarted attempts past their prepare deadline close PrepareFailed, as a reject would."""
     now = now or timezone.now()
     deadline = now - timedelta(seconds=settings.GRADIENT["CLUSTER_PREPARE_TIMEOUT_SECS"])
     overdue = ClusterAttempt.objects.filter(

@@ -1,9 +1,6 @@
 """submit_cluster --file: the whole cluster as one JSON document (protocol.md, "Submitting").
-
-The document's shape (its fields and their JSON types; an unknown field is refused, since a
-misspelt one would otherwise pass for its default) is the models below; its rules are those of
-every submission (clusters.submission, gradient.jobs.submission's JobSpec). A refusal is one
-line naming the field, `members[1].command: ...`, and nothing is written.
+Its shape is the models below (an unknown field is refused, as a misspelt one would pass for its
+default); its rules those of every submission. A refusal names the field, and writes nothing.
 """
 
 import json
@@ -109,8 +106,7 @@ def _refusal(exc: ValidationError) -> SubmissionError:
 
 
 def read_document(data: bytes) -> tuple[ClusterDocument, list[MemberSpec]]:
-    """The document and its members as submit_cluster takes them; SubmissionError names the
-    field that breaks a rule."""
+    """The document and its members as submit_cluster takes them, or a SubmissionError."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:

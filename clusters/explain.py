@@ -1,12 +1,9 @@
 """explain_cluster: why a cluster waits.
 
-Either it is not waiting for seats at all (not Queued, or Queued but kept out of the cluster
-book), or it is in the book and explain() says, per member, which connected
-workers could seat it now and why each other one cannot. Who may seat whom, the zones and their
-order, and whether the members fit on workers of their own are the planner's own answers
-(planner.eligible, zones, match, seat_reason), so this never disagrees with a dispatch pass.
-When every member has a seat but no placement on distinct workers exists, the smallest set of
-members breaking Hall's condition names the members and the workers they compete for.
+Either it is not waiting for seats (not Queued, or kept out of the cluster book), or explain()
+says, per member, which connected workers could seat it and why each other cannot, by the
+planner's own answers, so this never disagrees with a dispatch pass. When no placement on
+distinct workers exists, the members breaking Hall's condition name the workers they compete for.
 """
 
 from collections import Counter
@@ -206,8 +203,7 @@ def _free(reserved: dict[int, int], worker: _Connected, cluster_id: int) -> bool
 
 
 def _reason(member: planner.Member, worker: _Connected, seats: set[int], reserved, cluster_id):
-    """None if the worker is one of the member's seats, else the first reason it is not (the
-    zone aside)."""
+    """None if the worker can seat the member, else the first reason it cannot (the zone aside)."""
     if worker.view.id in seats:
         return None
     if worker.view.quarantined:

@@ -3,6 +3,7 @@ first with the seat each member took."""
 
 from datetime import UTC, datetime
 
+from clusters.book import role_indexes
 from clusters.models import ClusterJob
 from gradient.jobs.models import DispatchedJob
 
@@ -10,12 +11,7 @@ from gradient.jobs.models import DispatchedJob
 def describe_cluster(cluster: ClusterJob) -> dict:
     """show_cluster's object for `cluster`, in three queries whatever its size."""
     members = list(cluster.members.order_by("role", "id"))
-    # A seat is named by role and index, members of one role counted from 0 in creation order.
-    seat_of: dict[str, tuple[str, int]] = {}
-    per_role: dict[str, int] = {}
-    for member in members:
-        index = per_role[member.role] = per_role.get(member.role, -1) + 1
-        seat_of[member.job_key] = (member.role, index)
+    seat_of = role_indexes(members)
 
     attempts = list(cluster.attempts_made.order_by("created_at", "id"))
     seats: dict = {attempt.pk: [] for attempt in attempts}
@@ -35,8 +31,7 @@ def describe_cluster(cluster: ClusterJob) -> dict:
             }
         )
     for attempt_seats in seats.values():
-        # Roster order; a row whose member is gone (its job collected) goes last.
-        attempt_seats.sort(key=lambda s: (s["role"] is None, s["role"] or "", s["index"] or 0))
+        attempt_seats.sort(key=roster_order)
 
     return {
         "id": cluster.pk,
@@ -60,6 +55,11 @@ def describe_cluster(cluster: ClusterJob) -> dict:
             for attempt in attempts
         ],
     }
+
+
+def roster_order(seat: dict) -> tuple:
+    """A seat's place in the roster; one whose member is gone (its job collected) goes last."""
+    return (seat["role"] is None, seat["role"] or "", seat["index"] or 0)
 
 
 def iso_utc(moment: datetime | None) -> str | None:

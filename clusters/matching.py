@@ -1,8 +1,6 @@
-"""The planner's costs and solver: score rows per job key, seat costs, shortlists, matching.
-
-A member's scores are a row, cheapest first; a cluster's seat costs a k x columns matrix; the
-solver is scipy's minimum-cost assignment over at most k cheapest seats per member (cheapest).
-"""
+"""The planner's costs and solver: a member's scores are a row, cheapest first; a cluster's
+seat costs a k x columns matrix; scipy's minimum-cost assignment over at most k cheapest seats
+per member (cheapest) solves it."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ if TYPE_CHECKING:
 
 
 class Row:
-    """One job key's scores from workers in the pool, cheapest first (columns, sizes);
-    `complete` False when only the cheapest are here. The same by column, for the solver's
-    lookups (find), is sorted only when first asked for: most rows never reach the solver."""
+    """One job key's scores from the pool's workers, cheapest first; `complete` False when only
+    the cheapest are here. The by-column form (find) is sorted when first asked for."""
 
     __slots__ = ("_by_column", "columns", "complete", "largest", "sizes")
 
@@ -43,9 +40,8 @@ NO_SCORES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 class Scores:
-    """Score rows per job key, read from score_arrays. score_arrays and truncated are only
-    asked about one key at a time, as the planner reaches it, so a snapshot may hand them over
-    while still reading them."""
+    """Score rows per job key, read from score_arrays one key at a time as the planner reaches
+    it, so a snapshot may hand them over while still reading them."""
 
     def __init__(self, snapshot: Snapshot, pool: Pool):
         # Not `or {}`: a Mapping's truth is its length, and a CheapestScores still being read
@@ -106,10 +102,9 @@ def among_ties(seatable: np.ndarray, rows: list[Row], seats: list, columns: slic
 
 
 def costs(rows: list[Row], columns: np.ndarray, largest: int):
-    """Each member's seat costs over the given columns: its missing NAR size where scored,
-    else a stand-in dearer than any scored seating. (Where a column is no seat, the solver's
-    matrix gets np.inf: no edge at all; a size of 0 is still an edge.) And the sizes
-    themselves, -1 where unscored."""
+    """Each member's seat costs over the columns, its missing NAR size where scored, else a
+    stand-in dearer than any scored seating (a non-seat is np.inf, no edge); and the sizes, -1
+    where unscored."""
     k = len(rows)
     # Floats add integers exactly below 2**53, so sizes stay exact up to 2**50 / k**2 (64 TiB
     # for 4 members); larger ones are scaled down, which can blur their sums but not the rule
@@ -133,10 +128,8 @@ def preferred(seatable: np.ndarray, rows: list[Row]) -> list[np.ndarray]:
 
 def cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int) -> np.ndarray:
     """A member's k cheapest seats among the columns: scored ones by size, then unscored ones.
-
-    A minimum-cost matching of k members never needs another seat: were a member seated
-    elsewhere, one of its k cheapest would be free (the other k - 1 members hold at most k - 1),
-    and moving it there costs no more. So the solver sees at most k * k columns, not thousands.
+    A minimum-cost matching of k members needs no other: were a member seated elsewhere, one of
+    its k cheapest would be free, and no dearer. So the solver sees at most k * k columns.
     """
     scored = preferred[(preferred >= columns.start) & (preferred < columns.stop)][:k]
     if scored.size == k:
@@ -148,17 +141,15 @@ def cheapest(seatable: np.ndarray, preferred: np.ndarray, columns: slice, k: int
 
 def solve(cost: np.ndarray) -> np.ndarray | None:
     """The column of each row in a minimum-cost full matching, or None if there is none."""
-    # Imported here: scipy.optimize takes about a second to import, and every daphne imports
-    # this module (through clusters.book) without ever solving; a restarted daphne must
-    # listen again as soon as it can.
+    # Imported here: scipy.optimize is slow to import, and every daphne imports this module
+    # without ever solving.
     from scipy.optimize import linear_sum_assignment
 
     try:
         seated, columns = linear_sum_assignment(cost)
     except ValueError:  # "cost matrix is infeasible": no full matching avoids every np.inf
         return None
-    # Trust but verify: every member seated (not so with fewer columns than members), and
-    # over real edges only.
+    # Trust but verify: every member seated, over real edges only.
     if seated.size != len(cost) or not np.isfinite(cost[seated, columns]).all():
         return None
     return columns

@@ -92,9 +92,8 @@ def open_attempts(cluster):
     return ClusterAttempt.objects.filter(cluster_job=cluster).filter(ATTEMPT_IS_OPEN)
 
 
-# A cluster whose prepare failed waits GRADIENT_CLUSTER_RETRY_BACKOFF_SECS before it is placed
-# again: in the ORM (over ClusterAttempt) and in SQL (over an attempt aliased a, the cutoff bound
-# to %(backoff)s), both from backoff_since.
+# A cluster whose prepare failed backs off before it is placed again: in the ORM and in SQL
+# (over an attempt aliased a, the cutoff bound to %(backoff)s), both from backoff_since.
 def retry_backoff() -> timedelta:
     return timedelta(seconds=settings.GRADIENT["CLUSTER_RETRY_BACKOFF_SECS"])
 
@@ -119,10 +118,8 @@ def no_open_attempt_sql(cluster: str) -> str:
     )
 
 
-# The job rows' active_member (gradient.jobs.models) follows their cluster: true while a member
-# of a Queued or Running cluster, whoever writes cluster_job or cluster_member. The flag is
-# written by set_active_member(evaluation, build, active) (clusters migration 0005), an SQL
-# function: it is planned at each call, where PL/pgSQL would keep one plan made once.
+# The job rows' active_member follows their cluster (true while Queued or Running), whoever
+# writes cluster_job or cluster_member, through set_active_member (clusters migration 0005).
 _ACTIVE = "(" + ", ".join(f"'{s}'" for s in sorted(CLUSTER_ACTIVE)) + ")"
 CLUSTER_JOB_ACTIVE = pgtrigger.Trigger(
     name="cluster_job_active",
@@ -169,18 +166,15 @@ class ClusterJob(models.Model):
     retry_budget = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    # The aging reservation's clock: since when the dispatch pass has seen the cluster able to
-    # start and unplaced (clusters.reservation.note_waiting); NULL otherwise. Such a cluster's
-    # members are at the head of the queue (workers.head).
+    # The aging reservation's clock: since when the pass has seen the cluster able to start and
+    # unplaced (clusters.reservation.note_waiting); NULL otherwise.
     waiting_since = models.DateTimeField(null=True, blank=True, editable=False)
     # Placed before other clusters: set at submission when any member job is prioritized.
     prioritized = models.BooleanField(default=False, db_default=False)
-    # When the dispatch pass began its latest round of asking the idle workers that could seat
-    # its members for their scores; it is placed once they answered, or GRADIENT_SCORE_WAIT_MS
-    # after (clusters.asking).
+    # When the pass last asked the idle workers that could seat its members for their scores
+    # (clusters.asking).
     offered_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # Its status and its attempts are counted in cluster_metric_tally (gradient.metrics.fold):
-    # /metrics reads the tally and the untallied clusters' rows alone.
+    # Its status and attempts are counted in cluster_metric_tally (gradient.metrics.fold).
     tallied = models.BooleanField(default=False, db_default=False, editable=False)
 
     class Meta:
@@ -298,8 +292,7 @@ class ClusterAttempt(models.Model):
         db_table = "cluster_attempt"
         ordering = ["created_at"]
         constraints = [
-            # Serves claim_cluster's ON CONFLICT: at most one open attempt per cluster,
-            # which arbitrates between server instances claiming one cluster.
+            # Serves claim_cluster's ON CONFLICT: at most one open attempt per cluster.
             models.UniqueConstraint(
                 fields=["cluster_job"],
                 condition=ATTEMPT_IS_OPEN,
@@ -365,10 +358,8 @@ class ReservationSeat(models.Model):
 
 
 class MetricTally(models.Model):
-    """What /metrics no longer reads from the rows: the tallied clusters by status (less those
-    retention deleted) and their attempts' counts. The collector adds it to what the untallied
-    clusters' rows say, so neither history nor its deletion is read at each scrape, and no
-    counter goes down (Prometheus would read that as a reset)."""
+    """What /metrics no longer reads from the rows: the tallied clusters by status and their
+    attempts' figures (gradient.metrics), so that no counter goes down when retention deletes."""
 
     metric = models.CharField(max_length=64)
     # A counter's label value, or a histogram's "label|le" bucket and "label|sum".

@@ -1,8 +1,6 @@
-"""The planner's idle workers as columns: who may seat whom, zones, who is taken.
-
-Every worker is one column, and eligibility a boolean mask over the columns, cached per member
-profile (kind, pin, architecture, features, project), so that a new profile costs a few mask
-operations and a cluster never a Python loop over pairs.
+"""The planner's idle workers as columns: who may seat whom, zones, who is taken. Eligibility
+is a boolean mask over the columns, cached per member profile, so that a cluster never costs a
+Python loop over pairs.
 """
 
 from __future__ import annotations
@@ -22,10 +20,7 @@ KINDS = {"eval": "can_eval", "build": "can_build"}
 
 
 class Pool:
-    """The idle workers as columns: eligibility masks per member profile, zones, availability.
-
-    Columns are sorted by zone, so a zone is a range of columns (a slice).
-    """
+    """The idle workers as columns, sorted by zone, so that a zone is a slice."""
 
     def __init__(self, workers: tuple[Worker, ...]):
         # Named zones sorted, then the zoneless workers as a zone of their own: also the
@@ -51,8 +46,7 @@ class Pool:
         self.ids = ids  # each column's worker id
         self._by_id = np.argsort(ids)
         self._sorted_ids = ids[self._by_id]
-        # Worker ids are database keys, nearly dense: a small lookup table beats a search. Its
-        # last entry stays -1 for every id out of range.
+        # Worker ids are nearly dense: a lookup table, its last entry -1 for ids out of range.
         self._lookup = None
         if self.size and ids.min() >= 0 and ids.max() < 16 * self.size + 4096:
             self._lookup = np.full(ids.max() + 2, -1, dtype=np.int64)
@@ -80,8 +74,7 @@ class Pool:
         return [(None, slice(0, self.size))]
 
     def short_of(self, seats: np.ndarray, same_zone: bool, k: int) -> bool:
-        """Whether these seats (columns) number fewer than k in some column range that
-        groups() gives for a cluster."""
+        """Whether these seats (columns) number fewer than k in some range of groups()."""
         if not same_zone:
             return seats.size < k
         counts = np.bincount(self._zone_of[seats], minlength=self._peopled.size)

@@ -1,11 +1,9 @@
 """Recovery sweeps: bring every cluster back to a consistent state from the database alone.
 
-The sweeps find what no report will settle: members lost with their worker, attempts whose
-members' jobs ended outside them (an abort never confirmed), Running clusters that lost their
-attempt in a crash, and, first, the overdue prepares. Safe to run at start-up and at any time,
-from any number of processes at once: each step is one of settlement's or the claim module's
-transactions, which re-check what they change. Deadlines are computed from stored times (an
-attempt's created_at), so a restart never resets one.
+They find what no report will settle: overdue prepares, members lost with their worker,
+attempts whose members' jobs ended outside them, Running clusters that lost their attempt.
+Each step is one of settlement's or the claim module's re-checking transactions, so any number
+of processes may sweep at once; deadlines come from stored times, so a restart resets none.
 """
 
 import contextlib
@@ -38,10 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_orphaned_attempts(now=None) -> list:
-    """Started attempts whose members are gone resolve through the verdict: a member job
-    that reached a final state outside the attempt decides it (Abort for an aborted job,
-    else Fail), even when its worker never confirms; a member whose worker went silent
-    reports as lost."""
+    """Started attempts whose members are gone: a member job ended outside the attempt decides it
+    (Abort if aborted, else Fail); a silent worker's member reports as lost."""
     now = now or timezone.now()
     silent = silent_before(now)
     with connection.cursor() as cursor:
@@ -82,9 +78,8 @@ def _report_silent_members(attempt_id, silent) -> bool:
 
 
 def settle_running_without_attempt() -> list:
-    """A Running cluster always has a started, open attempt. One without it (a crash between
-    processes' steps) lost every member without a verdict: each reports as lost, and the
-    verdict settles the cluster and its member jobs as it would an attempt's."""
+    """A Running cluster without its started attempt (a crash between steps): every member reports
+    as lost, and the verdict settles the cluster and its jobs."""
     stranded = ClusterJob.objects.filter(
         ~Exists(open_attempts(OuterRef("pk"))), status=ClusterStatus.RUNNING
     ).values_list("pk", flat=True)
@@ -125,9 +120,8 @@ def recover(now=None) -> dict:
 
 
 def report_lost_members(worker_id: int, keep=frozenset()) -> int:
-    """The worker is gone: each of its open member rows, but for those in `keep` (assignment
-    ids it still runs), reports into its attempt's verdict (a failed prepare before the
-    start)."""
+    """The worker is gone: each of its open member rows but those in `keep` reports as lost into
+    its attempt's verdict."""
     rows = (
         DispatchedJob.objects.filter(
             worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=False

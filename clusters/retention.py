@@ -1,17 +1,12 @@
 """The hourly retention pass (spec: Tables, cluster_member and cluster_attempt ON DELETE CASCADE).
 
-It deletes a finished cluster job past GRADIENT_RETENTION_DAYS (0 disables the pass), and at
-once a finished one that evaluation garbage collection left without members. It never deletes
-an active cluster job, nor one with an open attempt whatever its status says.
+It deletes a finished cluster job past GRADIENT_RETENTION_DAYS (0 disables the pass), or at once
+one that evaluation garbage collection left without members; never one with an open attempt.
 
-Before deleting a batch, the same transaction adds its attempts to the metrics' tally, so
-/metrics never sees a counter go down. The database does the deleting: the cascades take the
-members and attempts. The member rows in dispatched_job stay as telemetry (worker health and
-/metrics count their blame), with cluster_attempt NULL and without the job's output (its
-error and log tail), which goes with its cluster. Each batch is its own short
-transaction, so a backlog never holds long locks. Rows are taken FOR UPDATE SKIP LOCKED, so
-a second pass (or a claim or close holding a cluster's row) is skipped rather than waited on,
-and no row is deleted twice; the advisory lock only saves a second pass the work.
+Each batch is a short transaction that first adds its attempts to the metrics' tally (so a
+counter never goes down). The member rows in dispatched_job stay as telemetry for worker health
+and /metrics, without their attempt and output. Rows are taken SKIP LOCKED, so a second pass or
+a claim holding a cluster is skipped, not waited on.
 """
 
 from datetime import timedelta

@@ -1,10 +1,8 @@
 """The member jobs' scores as a dispatch pass reads them for the planner.
 
-Up front, each member job's cheapest scores only (an index-only read of a few hundred entries
-per job, not every score), in chunks of keys, on a thread of their own while the planner seats
-the clusters whose scores have arrived. A job's other scores are read only when too few of
-its cheapest are left to decide (planner.Snapshot.load_scores), late in a pass when the
-cheapest workers are taken: from the free workers alone while they are few.
+Up front, each member job's cheapest scores only (an index-only read), in chunks, on a thread
+of their own while the planner seats the clusters whose scores have arrived. A job's other
+scores are read only when too few of its cheapest are left to decide (Snapshot.load_scores).
 """
 
 import threading
@@ -52,9 +50,8 @@ def _read_lists(sql: str, params: dict) -> dict[str, tuple[np.ndarray, np.ndarra
     return dict(zip([job_id for job_id, _ in rows], _unpack_all([p for _, p in rows]), strict=True))
 
 
-# Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists
-# (a few hundred to thousands of entries each), which cost less once the pairs are many
-# (docs/design.md has the timings).
+# Up to this many workers, their scores are read pair by pair; past it, the jobs' full lists,
+# which cost less once the pairs are many (docs/design.md).
 PROBED_WORKERS = CHEAPEST
 
 
@@ -78,9 +75,8 @@ def pin_scores(pins: Mapping[str, int | None]) -> dict[str, tuple[np.ndarray, np
 
 @contextmanager
 def own_connection():
-    """Work on a pass's thread, with that thread's own connection: dropped before if it broke
-    or aged out, and after if it aged out meanwhile (CONN_MAX_AGE), as Django does around a
-    request."""
+    """Work on a pass's thread with its own connection, dropped before and after if it broke or
+    outlived CONN_MAX_AGE, as Django does around a request."""
     close_old_connections()
     try:
         yield
@@ -88,14 +84,12 @@ def own_connection():
         close_old_connections()
 
 
-# Keys per read of CHEAPEST_SCORES_SQL, the first read smaller: the first clusters' scores
-# arrive sooner, and a pass that finds seats for a few clusters only (a busy fleet, a pass
-# woken by one idle slot) reads little more than those.
+# Keys per read of CHEAPEST_SCORES_SQL, the first read smaller: a pass that seats a few
+# clusters only reads little more than theirs.
 FIRST_CHUNK = 32
 SCORE_CHUNK = 256
-# Chunks read ahead of the last one the planner waited for; the reader then waits. Reading
-# every member job's scores up front cost each woken pass of a busy fleet a few milliseconds
-# of PostgreSQL per 256 keys, for clusters it could not seat anyway.
+# Chunks read ahead of the last one the planner waited for, so that a busy fleet's pass does
+# not read the scores of clusters it cannot seat anyway.
 READ_AHEAD = 2
 
 
@@ -104,21 +98,15 @@ def _chunks(count: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in pairwise(bounds) if b > a]
 
 
-# The cheapest scores are read on a thread of their own, with its own database connection,
-# while the planner seats the clusters whose scores have arrived: reading them is PostgreSQL's
-# work, planning is Python's, and on a machine of two cores the one need not wait for the other.
+# Reading is PostgreSQL's work and planning Python's: a thread of its own lets them overlap.
 _score_reader = ThreadPoolExecutor(1, thread_name_prefix="scores")
 
 
 class CheapestScores(Mapping):
-    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks of
-    keys in the order given (the clusters' priority order). A lookup waits for its key's chunk;
-    `truncated` tells (waiting likewise) whether a key has more scores than were read.
-
-    The keys in `pins` (a pinned member's job -> its pin's worker id, None when that worker
-    has no idle slot) are read for that worker's score alone, and are complete: a pinned
-    member has one seat, seldom among its job's cheapest, and its job's full list would be
-    read for the one score that matters."""
+    """Each member job's cheapest scores, job key -> (worker ids, sizes), read in chunks in the
+    order given; a lookup, and `truncated`, wait for its key's chunk. The keys in `pins` (job ->
+    its pin's worker id, or None) are read for that worker's score alone: a pinned member has one
+    seat, seldom among the cheapest."""
 
     def __init__(self, keys: list[str], pins: Mapping[str, int | None] | None = None):
         self._keys = keys

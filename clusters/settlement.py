@@ -1,11 +1,10 @@
-"""Settlement, the spec's Recovery: member reports -> the verdict (pure, clusters.verdict) ->
-every member settled.
+"""Settlement, the spec's Recovery: member reports -> the verdict (clusters.verdict) -> every
+member settled.
 
-A member's JobCompleted or JobFailed (or its loss with its worker) releases its row without
-moving its job. The first deciding report resolves the attempt; the verdict then settles every
-member, in the same transaction: the attempt closed, the cluster moved, each member's job
-moved, through their state machines' guarded writes. Reports arriving after the resolution
-find their rows settled and change nothing.
+A member's report (or its loss with its worker) releases its row without moving its job. The
+first deciding report resolves the attempt and, in the same transaction, the verdict closes
+it, moves the cluster and each member's job through their guarded writes. Later reports find
+their rows settled and change nothing.
 """
 
 import logging
@@ -169,11 +168,10 @@ def _job_moves(verdict: Verdict, members: list[Member]) -> dict[str, list[tuple]
 
 
 def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> list[int] | None:
-    """Apply a decided verdict inside the caller's transaction, the attempt locked: close the
-    attempt (abandoning open member rows), move the cluster, settle every member's job. Returns
-    the workers of the survivors, to be told AbortCluster after commit. Without an attempt
-    (None: a Running cluster that lost its own, the cluster locked), the cluster and the jobs.
-    None, having settled nothing, when the cluster's machine refuses the verdict's move."""
+    """Apply a decided verdict in the caller's transaction, the attempt (or, without one, the
+    cluster) locked: the attempt closed, the cluster moved, every member's job settled. The
+    survivors' workers, to be told AbortCluster after commit; None, having settled nothing, when
+    the cluster's machine refuses the move."""
     survivors = sorted({m.worker_id for m in members if m.finished_at is None})
     now = timezone.now()
     if attempt_id is None:
@@ -202,10 +200,9 @@ def settle(attempt_id, cluster_id, verdict: Verdict, members: list[Member]) -> l
 def _record_report(
     worker_id, job_id, assignment_id, outcome, kind, output: dict
 ) -> tuple[Attempt, bool] | None:
-    """The report's statements up to the verdict, in one round trip: the attempt locked, the
-    row finished (with the report's `output`: its error and log tail) if the report may finish
-    it. None when the assignment is no member's held by this worker; else the attempt as they
-    left it and whether the row finished."""
+    """The report's statements up to the verdict, in one round trip: the attempt locked, the row
+    finished with its `output` if it may be. None when the assignment is no member's held by this
+    worker; else the attempt as they left it and whether the row finished."""
     params = {
         "id": assignment_id,
         "worker": worker_id,
@@ -231,8 +228,7 @@ def _record_report(
 
 
 def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None:
-    """A report that finished nothing is accepted for a row the decided verdict settled, else
-    NotAllowed."""
+    """A report that finished nothing: accepted for a row the verdict settled, else NotAllowed."""
     row = next(m for m in attempt.members if str(m.id) == str(assignment_id))
     if row.finished_at is None:
         raise NotAllowed(f"{job_id} must not run before StartCluster")
@@ -241,9 +237,8 @@ def _refuse_unless_settled(attempt: Attempt, assignment_id, job_id: str) -> None
 
 
 def keep_late_output(assignment_id, output: dict) -> None:
-    """Keep a settled row's late report's error and log tail, if the row has none yet: a
-    survivor reports after the verdict settled its row (it was told AbortCluster), and its
-    output shows how it ended. One statement, none when the report brought neither."""
+    """A survivor's report after the verdict settled its row: its error and log tail kept if the
+    row has none, to show how it ended."""
     if output["error"] is not None or output["log_tail"] is not None:
         late = DispatchedJob.objects.filter(pk=assignment_id, error=None, log_tail=None)
         late.update(**output)
@@ -272,13 +267,10 @@ def member_report(
 ) -> Verdict | None:
     """A member's JobCompleted/JobFailed (or its loss, outcome Failed with kind "lost").
 
-    Releases its job without moving it, keeping the report's `error` and `log_tail` with
-    its row; the first deciding report resolves the attempt and settles every member, in the
-    same transaction. Before the start, a failure is a failed prepare and never reaches the
-    job. A report for a member the verdict already settled is accepted and changes nothing
-    but the output it brings (keep_late_output). An assignment that is no member's is
-    NotAllowed, or goes to `single`, called in the same transaction (a JobFailed tells a
-    single's from a member's at no extra round trip)."""
+    Finishes its row without moving its job; the first deciding report resolves the attempt and
+    settles every member, in the same transaction. Before the start a failure is a failed prepare.
+    A late report keeps only its output. An assignment that is no member's is NotAllowed, or goes
+    to `single` in the same transaction."""
     verdict, survivors = None, []
     output = {"error": error, "log_tail": log_tail}
     with transaction.atomic(durable=True):
@@ -312,9 +304,8 @@ def member_report(
 
 
 def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdict | None:
-    """Ask the verdict about an open attempt without a report of its own: a member job ended
-    outside the attempt (the sweep), or the whole cluster is aborted (`aborted`). Settles and
-    tells the survivors when there is a verdict; None when there is none, or it was closed."""
+    """Ask the verdict about an open attempt without a report: a member job ended outside it (the
+    sweep), or the cluster is `aborted`. None when there is no verdict, or it was closed."""
     with transaction.atomic(durable=True):
         bound_lock_waits()
         attempts = ClusterAttempt.objects.select_for_update()
@@ -332,7 +323,6 @@ def resolve_attempt(attempt_id, reason: str, *, aborted: bool = False) -> Verdic
 
 
 def abort_attempt(attempt_id, reason: str) -> bool:
-    """An evaluation abort reached every member (the operator aborted the cluster): the
-    verdict on the open attempt is Abort, survivors end Aborted and are told. False if it was
-    already closed."""
+    """The operator aborted the cluster: the open attempt's verdict is Abort, survivors end
+    Aborted and are told. False if it was already closed."""
     return resolve_attempt(attempt_id, reason, aborted=True) == Verdict.ABORT

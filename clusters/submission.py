@@ -1,6 +1,5 @@
 """submit_cluster: a member SPEC parsed into a MemberSpec, and the cluster created with its
-member jobs in one transaction (whether its members came as SPECs or as a document,
-clusters.document).
+member jobs in one transaction, from SPECs or a document (clusters.document).
 
 SPEC is `ROLE:KIND[:primary][:pin=WORKER][:arch=ARCH][:features=F1+F2][:paths=P1+P2]`.
 """
@@ -89,8 +88,7 @@ def check_members(members: list[MemberSpec]) -> None:
 
 
 def check_pins(project: Project, members: list[MemberSpec]) -> None:
-    """A pin that can never seat its member would leave the cluster waiting forever. The
-    refusal's field is the first such member's pin."""
+    """A pin that can never seat its member would leave the cluster waiting forever."""
     pins = [m.pin for m in members if m.pin is not None]
 
     def refuse(message: str, names: set[str]):
@@ -120,10 +118,9 @@ def submit_cluster(
     retry_budget: int = 0,
     prioritized: bool = False,
 ) -> tuple[ClusterJob, list[ClusterMember]]:
-    """Creates the member jobs (Queued), the cluster job (Queued) and its members in one
-    transaction, and returns the members in the order given. Everything is checked before the
-    first write, so a refusal leaves nothing behind. `prioritized` marks every member job,
-    and a cluster with a prioritized member is placed first."""
+    """Creates the member jobs, the cluster job (Queued) and its members in one transaction, all
+    checked before the first write; the members in the order given. `prioritized` marks every
+    member job, so the cluster is placed first."""
     check_members(members)
     if retry_budget < 0:
         raise SubmissionError(

@@ -16,8 +16,7 @@ def dispatch(woken: bool = False) -> dict:
     if woken:
         clear_wake()
     result = run_pass(wait=woken)
-    # What Celery logs of each pass: enough to tell a pass that had no seats from one that
-    # held its clusters for scores.
+    # Logged by Celery: enough to tell a pass without seats from one holding clusters.
     return {
         "claimed": len(result.claimed),
         "ready": result.ready,
@@ -46,8 +45,7 @@ def recover_at_start(**_):
 
 @worker_init.connect
 def load_solver(**_):
-    # scipy.optimize takes about a second to import (clusters.matching imports it lazily):
-    # once here, before the pool forks, rather than in each pool process's first pass.
+    # scipy.optimize is slow to import: once here, before the pool forks.
     import scipy.optimize  # noqa: F401
 
 

@@ -1,8 +1,5 @@
 """The spec's verdict, as pure functions: what the reports so far decide for an attempt, and
-where each member's job goes once it is decided.
-
-The first deciding report resolves the attempt; the verdict then settles every member.
-"""
+where each member's job goes once it is decided."""
 
 from dataclasses import dataclass
 from enum import StrEnum
@@ -36,8 +33,7 @@ class Settlement(StrEnum):
     COMPLETED = "Completed"
     # Back to the assignment passes.
     REQUEUED = "Requeued"
-    # For good: a build FailedPermanent (a requeueing kind becomes permanent), an evaluation
-    # Failed.
+    # For good: a build FailedPermanent, an evaluation Failed.
     FAILED = "Failed"
     ABORTED = "Aborted"
 
@@ -56,10 +52,8 @@ class MemberState:
 
 
 def decide(members: list[MemberState], *, budget_left: bool, aborted: bool = False):
-    """The verdict the members' states decide, or None while the attempt must go on.
-
-    `aborted`: an abort of the whole cluster (the operator's), which counts as an evaluation
-    abort reaching every member."""
+    """The verdict the members' states decide, or None while the attempt must go on. `aborted`:
+    the operator aborted the cluster, an evaluation abort reaching every member."""
     if aborted or any(m.aborted for m in members):
         return Verdict.ABORT
     if any(m.dead or m.failure_kind in FINAL_FAILURES for m in members):
@@ -78,9 +72,8 @@ def budget_left(attempts: int, retry_budget: int) -> bool:
 
 
 def member_moves(verdict: Verdict, members: list[MemberState]) -> dict[str, Settlement]:
-    """Where the verdict sends each member's job, by member key. Every member gets one,
-    those still running included: a report arriving after the verdict finds its member
-    settled already and changes nothing."""
+    """Where the verdict sends each member's job, by member key, those still running included:
+    their reports after the verdict change nothing."""
     return {m.key: _settlement(verdict, m) for m in members}
 
 

@@ -1,6 +1,5 @@
 """Waking the dispatch pass between its periodic runs: coalesced in Redis, so a burst of
-unanswered RequestJobs queues one pass. The pass is queued by its task's name, which is all
-the callers (sessions, submission) need of clusters.tasks."""
+unanswered RequestJobs queues one pass, by its task's name alone."""
 
 import logging
 
@@ -36,9 +35,8 @@ def clusters_waiting() -> bool:
 
 
 def wake_dispatch() -> bool:
-    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits
-    for seats. Best effort: losing Redis loses only wake-ups, which the periodic pass makes
-    up for."""
+    """Queue a dispatch pass unless one is queued and not yet started, or no cluster waits for
+    seats. Best effort: the periodic pass makes up for a lost wake-up."""
     try:
         client = _client()
         # Under a busy fleet a pass is nearly always queued: one Redis read then spares each
@@ -58,10 +56,8 @@ DUE_KEY = "gradient:dispatch:due"
 
 
 def run_at(when) -> None:
-    """Queue a pass for `when` (the clusters held for their scores are placed by then,
-    answered or not), unless one is queued for about then already: every pass that holds a
-    cluster asks for one, and a queue of them would run back to back, each waiting for the
-    lock. Best effort: the periodic pass makes up for a lost one."""
+    """Queue a pass for `when`, unless one is queued for about then already: passes queued back to
+    back would each wait for the lock. Best effort: the periodic pass makes up for a lost one."""
     try:
         delay = max(0.0, (when - timezone.now()).total_seconds())
         if _client().set(DUE_KEY, 1, nx=True, px=max(1, int(delay * 1000))):

@@ -11,8 +11,7 @@ from workers.models import Worker
 
 
 def recent_seats(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
-    """The worker's cluster seats, newest first, each named by its attempt, cluster and
-    (role, index), with its outcome and blame."""
+    """The worker's cluster seats, newest first, named by attempt, cluster and (role, index)."""
     rows = seat_rows(worker_id, limit)
     members: dict[int, list] = {}
     clusters = {row["cluster"] for row in rows}

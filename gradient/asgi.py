@@ -29,16 +29,13 @@ class _Formatted:
         return pprint.pformat(self.obj)
 
 
-# autobahn pretty-prints its whole configuration for a debug line at every WebSocket
-# connection, debug logging on or off: a cost paid by every connection of a reconnect storm.
-# Formatted lazily instead (the debug line, when on, reads the same).
+# autobahn pretty-prints its configuration for a debug line at every connection, debug logging
+# on or off: formatted lazily instead.
 if getattr(autobahn_protocol, "pformat", None) is pprint.pformat:
     autobahn_protocol.pformat = _Formatted
 
-# autobahn fails a connection (a frame over daphne's 1 MiB limit, for one) by dropping TCP unless
-# told otherwise, and the worker gets 1006 instead of protocol.md's 1009. daphne has no option
-# for it, but a protocol class's attribute wins over its factory's, and daphne loads this module
-# before it listens, however it was started (docs/design.md, "Bounds the protocol leaves open").
+# Unless told otherwise, autobahn fails a connection (a frame over daphne's limit) by dropping
+# TCP, and the worker gets 1006 instead of protocol.md's 1009; daphne has no option for it.
 DaphneWebSocketProtocol.failByDrop = False
 
 # No origin check on /proto: workers are machines authenticated by their bearer token.

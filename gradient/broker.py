@@ -1,13 +1,9 @@
 """Celery's broker transport: kombu's Redis transport, without a crash when Redis goes away.
 
-On a lost broker connection the Celery worker closes it, and kombu's Redis channel, closing,
-puts back the messages it had taken but not yet acknowledged. With the connection already
-released, that restore fails (kombu 5.7: an AttributeError on the released connection's
-parameters), the error escapes Celery's handling of connection errors, and the worker exits
-("Unrecoverable error"). The fault suite saw both Celery workers exit at once on a Redis
-restart, and no dispatch pass ran after it. The restore could not reach Redis anyway: the
-messages stay in Redis's unacknowledged set, which kombu restores after its visibility
-timeout, and every task of the service may run late or twice (each re-reads the database).
+On a lost connection kombu's Redis channel, closing, restores its unacknowledged messages over
+the connection already released; the error escapes Celery and the worker exits, so no dispatch
+pass runs after a Redis restart. The messages stay in Redis's unacknowledged set and kombu
+restores them after its visibility timeout anyway; every task re-reads the database.
 """
 
 import logging

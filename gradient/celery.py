@@ -13,8 +13,6 @@ app.autodiscover_tasks()
 
 @task_prerun.connect
 def drop_old_connections(sender=None, **_):
-    # What Django does around a request: a connection that broke or outlived CONN_MAX_AGE is
-    # dropped, any other kept for the task (CELERY_DB_REUSE_MAX keeps Celery from closing it).
-    # An eager task runs inside its caller's work, perhaps its transaction: left alone.
+    # As Django does around a request. An eager task runs inside its caller's transaction.
     if not getattr(getattr(sender, "request", None), "is_eager", False):
         close_old_connections()

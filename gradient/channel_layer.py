@@ -1,21 +1,15 @@
 """The Channels layer on Redis, sized for a reconnect storm and a busy fleet.
 
-channels-redis builds a plain redis-py pool, which fails with "Too many connections" once
-more than max_connections (100 by default) operations run at once, as when 1,000 workers
-reconnect together and each session joins its group. A blocking pool waits for a free
-connection instead.
+channels-redis's plain pool fails with "Too many connections" when a storm's sessions join
+their groups at once; a blocking pool waits for a free connection instead.
 
-A daphne process receives every message for its sessions from one inbox in Redis, and
-channels-redis takes them one at a time, four round trips each (a cleanup script, the pop, a
-backup copy, its removal), with the next waiting for the last: under a busy fleet the frames
-to the sessions (AssignJob, StartCluster, the dispatch pass's offers) waited seconds in that
-inbox. Here a pop also takes what else is waiting, up to RECEIVE_BATCH, and puts each in its
-session's buffer at once. The backup copy goes: a message popped by a process that then dies
-is lost, as a message in a Redis that restarts is; every frame the layer carries is a wake-up
-whose state is in PostgreSQL.
+channels-redis takes a process's inbox one message at a time, four round trips each, so under
+a busy fleet the sessions' frames waited in it. Here a pop also takes what else is waiting, up
+to RECEIVE_BATCH. Without the backup copy a message popped by a process that then dies is lost,
+as in a Redis that restarts: every frame the layer carries is a wake-up whose state is in
+PostgreSQL.
 
-group_send_many sends to many groups at once, for the passes that reach hundreds of workers;
-group_add is one round trip.
+group_send_many sends to many groups at once, for the passes that reach hundreds of workers.
 """
 
 import collections
@@ -56,9 +50,8 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
         return BlockingConnectionPool.from_url(host.pop("address"), **host)
 
     async def receive_single(self, channel):
-        """One message off the channel: the oldest of those popped before, or a pop that
-        takes the others waiting with it. Off the process's inbox, the others go straight to
-        their sessions' buffers (_hand_out)."""
+        """One message off the channel: the oldest popped before, or a pop that takes the others
+        waiting with it (off the process's inbox, handed straight to their sessions' buffers)."""
         assert self.require_valid_channel_name(channel, receive=True), "Channel name invalid"
         key = self.prefix + channel
         popped = self._popped[key]
@@ -79,9 +72,8 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
         return self._unpack(channel, popped.popleft())
 
     def _hand_out(self, popped: collections.deque) -> None:
-        """Put every message popped off the inbox but the last in its session's buffer at once,
-        as receive() puts the one it is given. Given one per receive(), each would wait for a
-        turn of the receive lock among hundreds of sessions (docs/design.md, sessions)."""
+        """Every message popped off the inbox but the last into its session's buffer at once, rather
+        than each waiting for a turn of the receive lock among hundreds of sessions."""
         while len(popped) > 1:
             channel, message = self._unpack(None, popped.popleft())
             for name in channel if isinstance(channel, list) else [channel]:
@@ -94,8 +86,8 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
         return channel, message
 
     async def group_add(self, group, channel):
-        """channels-redis's group_add in one round trip instead of two: every session joins
-        its group again at each touch (sessions/presence.py), hundreds a second on a big fleet."""
+        """channels-redis's group_add in one round trip instead of two: every session joins again at
+        each touch."""
         assert self.require_valid_group_name(group), "Group name not valid"
         assert self.require_valid_channel_name(channel), "Channel name not valid"
         key = self._group_key(group)
@@ -105,9 +97,8 @@ class BlockingRedisChannelLayer(RedisChannelLayer):
         await pipe.execute()
 
     async def group_send_many(self, sends: list[tuple[str, dict]]) -> int:
-        """Send each (group, message) as group_send would, in two round trips per Redis host
-        instead of four per group: a pass's offers and AssignJobs go to hundreds of workers'
-        groups (docs/design.md). The messages dropped for a full channel."""
+        """Send each (group, message) as group_send would, in two round trips per Redis host instead
+        of four per group; how many were dropped for a full channel."""
         members = await self._group_members([group for group, _ in sends])
         per_host: dict[int, list[tuple[str, bytes, int]]] = collections.defaultdict(list)
         for (_, message), channels in zip(sends, members, strict=True):

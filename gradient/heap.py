@@ -1,12 +1,8 @@
 """CPython's cyclic garbage collector, set for a long-running process of the service.
 
-In the throughput benchmark at 500 workers, the collector was about a tenth of each daphne's
-CPU (perf: gc_collect_main and the traversals under it). With the default thresholds a young
-collection runs every 700 net allocations of container objects, and every hundredth of them a
-full one walks the whole heap: Django, the project, every session's state. What is loaded at
-start-up stays loaded, so gc.freeze() takes it out of the collector's view; the young
-generation may grow to YOUNG objects before it is collected. Cycles are still collected, less
-often.
+By default every hundredth young collection walks the whole heap: Django, the project, every
+session. What start-up loads stays loaded, so gc.freeze() hides it from the collector, and the
+young generation may grow to YOUNG objects before it is collected.
 """
 
 import gc

@@ -1,7 +1,5 @@
-"""Structured logs: a record names the cluster, attempt and worker it is about through
-`extra=ids(...)`, and the JSON formatter (GRADIENT_LOG_FORMAT=json) emits them as fields, so a
-log search can follow one cluster across every process. The plain format is unchanged: the
-message text names them already."""
+"""Structured logs: a record names its cluster, attempt and worker through `extra=ids(...)`,
+and the JSON formatter emits them as fields, so a search can follow one cluster everywhere."""
 
 import json
 import logging
@@ -20,8 +18,7 @@ def _plain(value):
 
 
 def ids(cluster=None, attempt=None, worker=None) -> dict:
-    """The `extra=` of a log call: the ids given (a worker id, or a list of them for a line about
-    several), leaving out those not given."""
+    """The `extra=` of a log call: the ids given (a worker id, or a list of them), no others."""
     given = {"cluster": cluster, "attempt": attempt, "worker": worker}
     return {name: _plain(value) for name, value in given.items() if value is not None}
 

@@ -1,36 +1,14 @@
 """Metrics at /metrics, in Prometheus' exposition format.
 
-Every process is stateless and several run at once, so no process keeps counts of its own: a
-scrape (served by any daphne) asks PostgreSQL what its rows say, through one collector evaluated
-at scrape time, and every histogram over rows is counted by the database (one aggregate per
-histogram, never the rows themselves). What happens in some process without leaving a row (a
-dispatch pass's duration, a ClusterSignal forwarded or dropped) is recorded in Redis, best
-effort: a Redis that is down or slow costs a lost sample, never the pass or the session.
+Processes keep no counts of their own: a scrape asks PostgreSQL what its rows say, each
+histogram counted by one aggregate. What leaves no row (a dispatch pass's duration, a
+ClusterSignal forwarded or dropped) is recorded in Redis, best effort: a Redis down costs a
+sample, never the pass or the session.
 
-    gradient_clusters{status}                       gauge, clusters by status
-    gradient_cluster_attempts_total{outcome}        counter, finished attempts by outcome
-    gradient_cluster_attempts_open{phase}           gauge, open attempts: preparing or started
-    gradient_cluster_queued_to_started_seconds      histogram, cluster created -> first start
-    gradient_cluster_prepare_seconds{result}        histogram, attempt created -> started
-                                                    (result="started") or -> PrepareFailed
-                                                    (result="failed")
-    gradient_idle_slots{kind}                       gauge, idle slots younger than the TTL
-    gradient_connected_workers                      gauge
-    gradient_quarantined_workers{by}                gauge, workers quarantined now, by whom
-    gradient_blamed_seats_total{blame}              counter, seats that ended their attempt
-    gradient_dispatch_pass_seconds                  histogram (Redis)
-    gradient_signals_forwarded_total                counter (Redis)
-    gradient_signals_dropped_total                  counter (Redis)
-    gradient_metrics_redis_up                       gauge, 0 when the Redis part is missing
-
-A scrape reads no more than the clusters not yet tallied. A finished cluster without an open
-attempt never changes again: a fold (at each scrape, a batch at most) adds its status and its
-attempts' figures to a tally (cluster_metric_tally) and marks it tallied, in one transaction, so
-every cluster is counted once, by the tally or by its rows, whichever process folds it. The
-scrape then reads the tally and the untallied clusters' rows in one statement, so in one
-snapshot. The retention pass deletes old clusters with their attempts; in the same transaction
-it tallies those not yet tallied and takes the deleted ones off the clusters gauge, so a
-counter or histogram over the rows never goes down.
+A finished cluster without an open attempt never changes again, so a fold adds its figures to
+cluster_metric_tally and marks it tallied, in one transaction; a scrape reads the tally and
+the untallied clusters' rows in one statement, so each cluster is counted once. Retention
+tallies what it deletes, so a counter never goes down.
 """
 
 import hmac
@@ -61,15 +39,13 @@ QUEUED_TO_STARTED_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 
 PREPARE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 120)
 
 
-# Recording, in Redis: one HASH per metric. A histogram keeps one field per bucket (not
-# cumulative: one HINCRBY per sample) and its sum; the collector adds the buckets up.
+# In Redis, one HASH per metric; a histogram's buckets are not cumulative (one HINCRBY each).
 
 PASS_KEY = "gradient:metrics:dispatch_pass_seconds"
 COUNTERS_KEY = "gradient:metrics:counters"
 FORWARDED = "signals_forwarded"
 DROPPED = "signals_dropped"
-# After a failed write, a process stops trying for this long: an outage must not cost every
-# pass and every signal a connection timeout.
+# After a failed write, so that an outage does not cost every pass a connection timeout.
 REDIS_BACKOFF_SECS = 10.0
 REDIS_TIMEOUT_SECS = 0.5
 
@@ -159,8 +135,6 @@ def _empty(buckets) -> tuple[list, float]:
     return _cumulative({}, buckets), 0.0
 
 
-# Each query covers the attempts of the clusters given: the untallied ones at scrape time, or a
-# batch a fold or the retention pass tallies.
 THESE_CLUSTERS = "cluster_job_id = ANY(%(ids)s)"
 UNTALLIED_CLUSTERS = "cluster_job_id = ANY(ARRAY(SELECT id FROM untallied))"
 
@@ -208,8 +182,7 @@ def _figures_sql(scope: str) -> str:
 
 FIGURES_SQL = f"SELECT {_figures_sql(THESE_CLUSTERS)}"
 
-# The scrape's reads in one statement, so in one snapshot: a fold another process commits
-# meanwhile is counted by the tally or by the rows, never by both or neither.
+# One snapshot: a fold committed meanwhile is counted by the tally or by the rows, once.
 SCRAPE_SQL = f"""
 WITH untallied AS (SELECT id, status FROM cluster_job WHERE NOT tallied)
 SELECT {_json_rows("SELECT metric, series, value FROM cluster_metric_tally")},
@@ -219,8 +192,8 @@ SELECT {_json_rows("SELECT metric, series, value FROM cluster_metric_tally")},
 
 
 def _read(sql: str, **params) -> tuple:
-    """The one row of `sql`, its columns each `_json_rows`, the last three `_figures_sql`'s: the
-    rows of the others, then finished attempts by outcome, open ones by phase, the histograms."""
+    """The columns of `sql`'s one row, the last three `_figures_sql`'s read as finished
+    attempts by outcome, open ones by phase, and the two histograms."""
     from clusters.models import AttemptOutcome
 
     with connection.cursor() as cursor:
@@ -251,12 +224,10 @@ INSERT INTO cluster_metric_tally (metric, series, value) VALUES (%s, %s, %s)
 ON CONFLICT (metric, series) DO UPDATE SET value = cluster_metric_tally.value + EXCLUDED.value
 """
 
-# At most this many clusters per fold: a backlog (the first scrape after an upgrade) is folded
-# over several scrapes, each reading the rest from the rows meanwhile.
+# A backlog is folded over several scrapes.
 FOLD_BATCH = 10_000
 
-# Finished clusters without an open attempt, not yet tallied; one another fold or the retention
-# pass holds is skipped, not waited on.
+# One that another fold or the retention pass holds is skipped, not waited on.
 FOLDABLE_SQL = """
 SELECT c.id, c.status FROM cluster_job c
 WHERE NOT c.tallied AND c.status = ANY(%(finished)s) AND {no_open_attempt}
@@ -320,8 +291,7 @@ def _with_tally(histogram, label: str, tally, metric: str):
 
 
 def counted(queryset, field: str, labels) -> dict:
-    """The rows of `queryset` counted by `field`, in one aggregate, every label given (0 when
-    none), so a series never disappears from a scrape."""
+    """The rows counted by `field`, every label given (0 when none): no series disappears."""
     counts = dict.fromkeys(labels, 0)
     for row in queryset.order_by().values(field).annotate(n=Count("pk")):
         counts[row[field]] = row["n"]

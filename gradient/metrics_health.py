@@ -1,6 +1,5 @@
-"""/metrics' worker health series (gradient.metrics' collector yields them): the workers
-quarantined now, and the blamed seats, which outlive their attempts (retention deletes attempts,
-never dispatched_job rows), so the counter never goes down."""
+"""/metrics' worker health series: the workers quarantined now, and the blamed seats, whose
+dispatched_job rows outlive their attempts, so the counter never goes down."""
 
 from django.utils import timezone
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

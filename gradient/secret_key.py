@@ -1,9 +1,7 @@
 """The secret key of a checkout that was given none: made once, kept in a file git ignores.
 
-A fixed fallback would be public (it is in the source), and anyone knowing it could sign
-session cookies for the admin. A key made per checkout keeps `bin/run` and the test suite
-working without configuration, and every process of the checkout (daphne, Celery, commands)
-reads the same one, so sessions survive restarts.
+A fixed fallback would be public, and would let anyone sign the admin's session cookies. Every
+process of the checkout reads the same key, so sessions survive restarts.
 """
 
 import os

@@ -2,16 +2,11 @@
 
     python -m gradient.serve -b HOST -p PORT [--processes N] [--backlog N] [-- DAPHNE-OPTIONS]
 
-One daphne is one Python interpreter: its handshakes, frames and database calls share one GIL,
-so on a machine with several cores a fleet reconnecting at once waits on a single core. This
-binds HOST:PORT once, with a listen backlog long enough for a fleet reconnecting at once, and
-starts N daphne processes (default: one per core) that accept from that same socket
-(`daphne --fd`), so the kernel hands each new connection to whichever is free. Every session
-keeps its state in PostgreSQL and reaches its worker through the channel layer, so which
-process serves a worker does not matter.
-
-SIGTERM or SIGINT stops every child. When one child dies the others are stopped too and the
-launcher exits with the child's status, so a supervisor (compose, systemd) restarts the whole.
+One daphne is one GIL. This binds HOST:PORT once, with a backlog long enough for a fleet
+reconnecting at once, and starts N daphnes (default: one per core) that accept from it
+(`daphne --fd`). Sessions keep their state in PostgreSQL, so which process serves a worker does
+not matter. When one child dies the others are stopped and the launcher exits with its status,
+so a supervisor restarts the whole.
 """
 
 import argparse
@@ -27,9 +22,8 @@ from pathlib import Path
 APPLICATION = "gradient.asgi:application"
 DEFAULT_BACKLOG = 1024
 STOP_GRACE_SECS = 10  # after SIGTERM, before SIGKILL
-# What every daphne of this service is started with, before the caller's own options (which win):
-# a handshake may wait its turn for 30 s in a reconnect storm instead of a 403 after 5 s, and
-# a worker's session is never closed for its age (README, "Processes").
+# Before the caller's own options, which win: in a reconnect storm a handshake may wait its
+# turn, and a session is never closed for its age (README, "Processes").
 DAPHNE_OPTIONS = ("--websocket_connect_timeout", "30", "--websocket_timeout", "-1")
 
 
@@ -93,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 if child.poll() is None:
                     child.terminate()
 
-    # Before the first child starts: a SIGTERM while they start must stop them too, not the
-    # launcher alone.
+    # Before the first child starts, so that a SIGTERM meanwhile stops them too.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     for _ in range(options.processes):

@@ -25,14 +25,11 @@ if not SECRET_KEY:
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
-# Served over TLS (README, "Behind TLS"): daphne's own ssl endpoint, or a proxy in front that
-# terminates it. Browsers are then sent to HTTPS and kept there (HSTS), and the session and
-# CSRF cookies never travel in the clear. Off by default, for a local http://127.0.0.1.
+# Served over TLS (README, "Behind TLS"): HTTPS enforced, HSTS, cookies never in the clear.
 BEHIND_TLS = env.bool("GRADIENT_BEHIND_TLS", default=False)
 SECURE_SSL_REDIRECT = BEHIND_TLS
-# The redirect is Django's middleware's, which WebSockets never pass through (/proto is routed
-# apart, gradient.asgi), so a worker is never redirected. /metrics is exempt: a scraper often
-# reads it from inside, straight from daphne's plain port, where https:// may not answer.
+# WebSockets never pass the redirect's middleware. /metrics is exempt: a scraper often reads
+# it from daphne's plain port, where https:// may not answer.
 SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = BEHIND_TLS
 SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=31_536_000 if BEHIND_TLS else 0)
@@ -40,9 +37,8 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
     "DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=BEHIND_TLS
 )
 SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=BEHIND_TLS)
-# Behind a proxy that terminates TLS: the header it sets to "https" on a request that came
-# over TLS (e.g. X-Forwarded-Proto). The proxy must set or remove it on every request, or a
-# client could claim TLS it never used.
+# The header a TLS-terminating proxy sets to "https" (e.g. X-Forwarded-Proto); it must set or
+# strip it on every request, or a client could claim TLS it never used.
 _PROXY_SSL_HEADER = env.str("DJANGO_SECURE_PROXY_SSL_HEADER", default="")
 if _PROXY_SSL_HEADER:
     SECURE_PROXY_SSL_HEADER = ("HTTP_" + _PROXY_SSL_HEADER.upper().replace("-", "_"), "https")
@@ -97,12 +93,9 @@ TEMPLATES = [
 DATABASES = {
     "default": env.db_url("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/gradient"),
 }
-# A claimer stuck behind a lock, or a connection left idle inside a transaction, must not
-# block its rivals for long: both are part of the claim's correctness, not tuning. And the
-# triggers (pgtrigger, in the models' Meta) read pgtrigger.ignore on every row: unset, the
-# read raises and is caught, which slows every row a trigger sees. JIT is off: it compiles
-# a statement at each run once its estimate passes jit_above_cost, as the cluster book's does
-# on a deep queue, and the compiling costs more than it saves (docs/design.md).
+# A connection idle inside a transaction must not block the claim's rivals for long. The
+# triggers read pgtrigger.ignore on every row, and an unset one raises (caught, slowly). JIT
+# costs the cluster book more than it saves on a deep queue (docs/design.md).
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault(
     "options",
@@ -110,12 +103,9 @@ DATABASES["default"]["OPTIONS"].setdefault(
         env.int("GRADIENT_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=60_000)
     ),
 )
-# Parameters bound by PostgreSQL, not spliced into the text; and a statement run a fifth time
-# on a connection is prepared there (psycopg's prepare_threshold), so it is no longer parsed
-# and planned on every frame. Django turns preparing off unless asked (for poolers in
-# transaction mode, which this service does not use): without it, planning was most of
-# PostgreSQL's time in a reconnect storm. GRADIENT_PREPARE_THRESHOLD=0 (or behind such a
-# pooler) turns it off again.
+# Server-side parameters, and statements prepared after their fifth run on a connection, so a
+# frame's statements are not planned every time. GRADIENT_PREPARE_THRESHOLD=0 turns it off
+# (behind a pooler in transaction mode).
 DATABASES["default"]["OPTIONS"].setdefault("server_side_binding", True)
 DATABASES["default"]["OPTIONS"].setdefault(
     "prepare_threshold", env.int("GRADIENT_PREPARE_THRESHOLD", default=5) or None
@@ -123,13 +113,11 @@ DATABASES["default"]["OPTIONS"].setdefault(
 # Sessions and passes query constantly: reuse connections rather than open one per call.
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=300)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
-# Django's PostgreSQL backend, its health check (a round trip) skipped for a connection that
-# passed one less than a second ago (gradient/postgresql/base.py).
+# Django's backend, skipping a health check passed less than a second ago.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["ENGINE"] = "gradient.postgresql"
 
-# Threads per daphne process running the sessions' database work (see sessions/threads.py):
-# the frames', the reports', and members' acceptances'.
+# Threads per daphne process for the sessions' database work (sessions/threads.py).
 FRAME_THREADS = env.int("GRADIENT_FRAME_THREADS", default=4)
 REPORT_THREADS = env.int("GRADIENT_REPORT_THREADS", default=2)
 ACCEPT_THREADS = env.int("GRADIENT_ACCEPT_THREADS", default=8)
@@ -145,9 +133,8 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
-# Static files (the admin's) are served by WhiteNoise from STATIC_ROOT, filled by
-# `manage.py collectstatic` (bin/run, the Dockerfile). Compressed but not hashed: a manifest
-# storage would make every test that renders an admin page depend on a prior collectstatic.
+# The admin's static files, served by WhiteNoise. Not hashed: a manifest storage would make
+# every test that renders an admin page depend on a prior collectstatic.
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "run" / "static"
 STORAGES = {
@@ -162,25 +149,19 @@ CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "gradient.channel_layer.BlockingRedisChannelLayer",
         "CONFIG": {
-            # Messages waiting in Redis per channel key before a send is dropped. Every
-            # session of one daphne process shares one key (its inbox), so the capacity is
-            # for hundreds of sessions together: a burst of AssignJobs must fit
-            # (docs/reliability.md).
+            # Per channel key, shared by every session of one daphne process: a burst of
+            # AssignJobs must fit (docs/reliability.md).
             "capacity": CHANNEL_CAPACITY,
             "hosts": [
                 {
                     "address": REDIS_URL,
                     "max_connections": env.int("GRADIENT_REDIS_MAX_CONNECTIONS", 200),
-                    # Seconds an operation waits for a free connection before it fails.
                     "timeout": env.float("GRADIENT_REDIS_POOL_TIMEOUT_SECS", 20),
-                    # redis-py 8 reads with a 5 s timeout by default, the same as the layer's
-                    # blocking pop: a quiet channel then fails its read. Give reads headroom.
+                    # Longer than the layer's blocking pop, or a quiet channel fails its read.
                     "socket_timeout": 30,
-                    # Else the same 30 s: a session start waits on its group_add, and a Redis
-                    # starved of CPU (or gone) would hold every start that long.
+                    # A session start waits on its group_add: a Redis gone must not hold it.
                     "socket_connect_timeout": 5,
-                    # A Redis restart kills every pooled connection: reconnect and try once
-                    # more (redis-py retries nothing unless told), so no AssignJob is lost.
+                    # A Redis restart kills every pooled connection: retry once, on a new one.
                     "retry_on_error": [redis.exceptions.ConnectionError],
                 }
             ],
@@ -193,10 +174,8 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_TRANSPORT = "gradient.broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# Celery's Django fixup closes the database connection before and after every task unless this
-# is set; then it closes it every this many tasks instead. A new connection per task cost each
-# dispatch pass a PostgreSQL backend and its statements planned afresh (docs/design.md). Between
-# tasks a connection is dropped when it broke or outlived CONN_MAX_AGE (gradient/celery.py).
+# Celery's Django fixup would close the connection around every task, so each pass would plan
+# its statements afresh; gradient/celery.py drops broken or old connections instead.
 CELERY_DB_REUSE_MAX = 1000
 
 # The spec's durations (shared protocol.md, "Settings").
@@ -213,8 +192,7 @@ GRADIENT = {
     "OFFER_WINDOW": env.int("GRADIENT_OFFER_WINDOW", 32),
     # How long the pass waits for an idle seat's scores of a cluster it has just offered.
     "SCORE_WAIT_MS": env.int("GRADIENT_SCORE_WAIT_MS", 1000),
-    # Worker health (protocol.md): blamed seats in a row that quarantine a worker from cluster
-    # members (0 disables), and how long an automatic quarantine lasts.
+    # Blamed seats in a row that quarantine a worker (0 disables), and for how long.
     "QUARANTINE_AFTER": env.int("GRADIENT_QUARANTINE_AFTER", 3),
     "QUARANTINE_SECS": env.float("GRADIENT_QUARANTINE_SECS", 3600),
     # Bounds how long a claim or close waits on a row lock before it gives up (and loses).
@@ -235,8 +213,7 @@ if GRADIENT["QUARANTINE_AFTER"] < 0:
 if GRADIENT["QUARANTINE_SECS"] <= 0:
     raise ImproperlyConfigured("GRADIENT_QUARANTINE_SECS must be positive")
 
-# GRADIENT_LOG_FORMAT=json: one JSON object per line, with the cluster, attempt and worker ids
-# a record carries (gradient/logs.py); plain: the usual text line.
+# json: one object per line, with a record's cluster, attempt and worker ids (gradient/logs.py).
 LOG_FORMAT = env.str("GRADIENT_LOG_FORMAT", default="plain")
 if LOG_FORMAT not in ("plain", "json"):
     raise ImproperlyConfigured(f"GRADIENT_LOG_FORMAT must be plain or json, not {LOG_FORMAT!r}")
@@ -250,8 +227,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env.str("GRADIENT_LOG_LEVEL", default="INFO")},
 }
-# A Celery worker replaces the root logger's handlers with its own unless told not to; the
-# passes it runs then log through the JSON formatter too.
+# So that a Celery worker's passes log through the JSON formatter too.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = LOG_FORMAT != "json"
 
 # When set, GET /metrics requires `Authorization: Bearer <token>`; unset, it is open.

@@ -2,8 +2,7 @@ from django.apps import AppConfig
 
 
 class SessionsConfig(AppConfig):
-    """Installed so that Celery finds sessions.tasks. No models; the label is not `sessions`,
-    which django.contrib.sessions owns."""
+    """Installed so that Celery finds sessions.tasks; not labelled `sessions` (django.contrib's)."""
 
     name = "sessions"
     label = "worker_sessions"

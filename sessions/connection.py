@@ -26,23 +26,19 @@ def bearer_token(headers) -> str:
 
 
 def authenticate(token: str) -> tuple[int, str] | None:
-    """(id, name) of the worker owning this token, unless unknown or revoked. Looked up by the
-    token's hash: the index compares hashes, so no secret-dependent comparison happens in
-    Python."""
+    """(id, name) of the worker owning this token, unless unknown or revoked; looked up by hash, so
+    nothing compares the secret in Python."""
     if not token:
         return None
-    # Plain SQL: the ORM's compiling of this one lookup cost more than its round trip, and a
-    # reconnect storm makes a thousand of them at once.
+    # Plain SQL: the ORM's compiling of this lookup costs more than its round trip.
     with db_connection.cursor() as cursor:
         cursor.execute(statements.AUTHENTICATE_SQL, [hash_token(token)])
         return cursor.fetchone()
 
 
 def abandon_single_assignments(worker_id: int, keep=frozenset()) -> int:
-    """The worker is gone: its open single assignments end Abandoned and their jobs go back to
-    the queue, but for those in `keep` (assignment ids it still runs). Its cluster members stay
-    open: they are lost members of their attempt, which decides their fate. Also drops its
-    idle slots."""
+    """The worker is gone: its open single assignments but those in `keep` end Abandoned, their
+    jobs requeued, its idle slots dropped; its cluster members are left to their attempts."""
     rows = list(
         DispatchedJob.objects.select_for_update()
         .filter(worker_id=worker_id, finished_at__isnull=True, cluster_attempt__isnull=True)
@@ -62,8 +58,7 @@ class Attached(NamedTuple):
 
 
 def attach(worker_id: int, channel_name: str) -> Attached:
-    """Record this session as the worker's live one (so the old session's own disconnect,
-    seeing it is no longer the live one, does nothing)."""
+    """Record this session as the live one, so that the old one's own disconnect does nothing."""
     now = timezone.now()
     with db_connection.cursor() as cursor:
         cursor.execute(
@@ -83,9 +78,8 @@ def attach(worker_id: int, channel_name: str) -> Attached:
 
 
 def release_earlier(worker_id: int, running: list[RunningJob]) -> list[RunningJob]:
-    """The earlier session's open assignments that the worker no longer runs are given up as
-    at a disconnect; those it still runs stay open for their reports. Returns what it says it
-    runs that is no longer open here, for the session to abort."""
+    """The earlier session's open assignments the worker no longer runs are given up as at a
+    disconnect; what it says it runs that is no longer open here is returned, to abort."""
     claimed = {(r.job_id, r.assignment_id) for r in running}
     with transaction.atomic(durable=True):
         rows = DispatchedJob.objects.filter(worker_id=worker_id, finished_at__isnull=True)
@@ -111,8 +105,7 @@ def detach(worker_id: int, channel_name: str) -> bool:
 
 
 def touch(worker_id: int, channel_name: str) -> bool:
-    """Liveness: False when this session is no longer the worker's live one or its token was
-    revoked."""
+    """Liveness: False when this session is no longer the live one or its token was revoked."""
     params = {"worker": worker_id, "channel": channel_name, "now": timezone.now()}
     with db_connection.cursor() as cursor:
         cursor.execute(statements.TOUCH_SQL, params)

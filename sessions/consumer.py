@@ -1,6 +1,5 @@
 """The /proto session: authenticate at the handshake, then per frame parse, call one service,
-reply. Transactions live in the services (run in a thread by database_sync_to_async), never
-across awaits; state lives in PostgreSQL, so any number of daphne processes can serve."""
+reply. Transactions live in the services, never across awaits; state lives in PostgreSQL."""
 
 import contextlib
 
@@ -45,9 +44,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.lanes: Lanes | None = None
 
     async def dispatch(self, message):
-        # Channels' own dispatch hops to the process's one thread-sensitive thread before every
-        # frame and event, to close its stale connections: every session queues for it. Our
-        # services run on threads of their own (sessions.threads), which check theirs.
+        # Channels' own dispatch hops to the one thread-sensitive thread before every event (to
+        # close stale connections), and every session queues for it; our threads check theirs.
         handler = getattr(self, get_handler_name(message), None)
         if handler is None:
             raise ValueError(f"no handler for message type {message['type']}")

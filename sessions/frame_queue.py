@@ -1,12 +1,9 @@
 """A session's frames, handled in arrival order by a task of their own.
 
-A Channels consumer handles one event at a time: while it awaits a frame's database work, the
-passes' frames to its worker (an AssignJob, a StartCluster) wait too. Under a busy fleet that
-work queues for seconds, so a session hands its frames to FrameQueues instead and goes
-straight back to its events: one for members' acceptances, one for the reports (single jobs'
-acceptances, completions, failures, signals), one for the bulk (offers, scores, requests for
-work, the liveness touch). A queue may wait for the frames of the one before it that arrived
-earlier, but never holds them back (sessions/lanes.py).
+A consumer handles one event at a time: while it awaits a frame's database work, the passes'
+frames to its worker wait too. So a session hands its frames to FrameQueues (acceptances,
+reports, the bulk) and goes back to its events. A queue may wait for the earlier frames of the
+one before it, but never holds them back (sessions/lanes.py).
 """
 
 import asyncio
@@ -85,8 +82,7 @@ class FrameQueue:
 
 
 class Touch(NamedTuple):
-    """A session's group join, and when due its liveness check, queued with its bulk frames
-    (not a protocol message)."""
+    """A session's group join and, when due, liveness check, queued with its bulk frames."""
 
     liveness: bool
 

@@ -1,7 +1,6 @@
-"""A session's three lanes of frames (sessions/frame_queue.py) and the order between them: a
-member's acceptance waits for nothing, a report for the last acceptance before it, a bulk
-frame for the last report before it. What the worker asks for never holds back what it
-reports, and no frame overtakes an earlier one it may depend on."""
+"""A session's three lanes of frames (sessions/frame_queue.py): a member's acceptance waits for
+nothing, a report for the last acceptance before it, a bulk frame for the last report before
+it, so that no frame overtakes an earlier one it may depend on."""
 
 import asyncio
 from collections.abc import Awaitable, Callable
@@ -13,9 +12,8 @@ from sessions.frame_queue import FrameQueue, OfferAll, ScoresLate, Touch
 if TYPE_CHECKING:
     from sessions.requests import Requests
 
-# Frames whose work is the bulk of a session's: offers, scores and requests for work. They wait
-# in a lane of their own, so that the frames after them (an AssignJobResponse, a report) and
-# the passes' frames to the worker (an AssignJob, a StartCluster) never wait for them.
+# The bulk of a session's work, in a lane of their own so that the frames after them and the
+# passes' frames to the worker never wait for them.
 BULK = (RequestJob, JobScores)
 
 
@@ -40,18 +38,16 @@ class Lanes:
         elif isinstance(frame, (*BULK, OfferAll)):
             self._put_bulk(frame)
         elif isinstance(frame, AssignJobResponse) and not self._requests.single(frame.job_id):
-            # A member's answer holds its whole attempt: it does not wait for this worker's
-            # reports before it. The reports after it wait for it, so each job's frames stay
-            # in order.
+            # A member's answer holds its whole attempt: it waits for no report; the reports
+            # after it wait for it, so each job's frames stay in order.
             self.last_accept = self.accepts.put(frame)
         else:
             self.last_report = self.reports.put(frame, after=self.last_accept)
 
     def _put_bulk(self, frame) -> None:
-        """Behind the reports that arrived before it: a JobCompleted frees the slot that the
-        RequestJob after it asks to fill. A RequestJob while as many of its kind as the worker
-        has slots of that kind already wait is a resend (one per free slot, periodically):
-        dropped, the waiting ones will answer."""
+        """Behind the reports that arrived before it: a JobCompleted frees the slot the next
+        RequestJob asks to fill. A RequestJob beyond the worker's slots of its kind already
+        waiting is a resend: dropped, the waiting ones will answer."""
         if isinstance(frame, RequestJob):
             kind = frame.kind
             waiting = self.bulk.waiting(lambda m: isinstance(m, RequestJob) and m.kind == kind)

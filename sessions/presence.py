@@ -1,6 +1,5 @@
-"""A session's presence as its worker's: attached in PostgreSQL with the worker's capabilities,
-in the worker's group so that the passes reach it, and kept fresh by touches (the liveness
-pass, sessions.liveness, disconnects a worker whose session stopped touching)."""
+"""A session's presence as its worker's: attached in PostgreSQL, in the worker's group so that
+the passes reach it, and kept fresh by touches (sessions.liveness disconnects the silent)."""
 
 import asyncio
 import logging
@@ -24,9 +23,8 @@ TOUCH_EVERY_SECS = 5.0
 
 
 class Presence:
-    """A session's hold on its worker. A touch that finds the token revoked, or a newer
-    session attached, ends the session. On the handshake's threads until the InitAck: a start
-    must not queue behind the offers and RequestJobs of the sessions already started."""
+    """A session's hold on its worker; a touch that finds the token revoked or a newer session
+    attached ends it. On the handshake's threads until the InitAck."""
 
     def __init__(self, layer, worker_id: int, worker_name: str, channel: str):
         self.layer, self.channel = layer, channel
@@ -86,10 +84,8 @@ class Presence:
         return True
 
     async def join_group(self) -> None:
-        """At the start, and again at every touch: a Redis restart empties every group, and
-        channels-redis drops a member after its group_expiry, so the passes could no longer
-        reach a live session. Idempotent; a failure is retried at the next touch, and the
-        session goes on: Redis carries only wake-ups."""
+        """At the start and at every touch: a Redis restart empties every group, and channels-redis
+        expires members. A failure is retried at the next touch; Redis carries only wake-ups."""
         try:
             await self.layer.group_add(worker_group(self.worker_id), self.channel)
         except Exception:

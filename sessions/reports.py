@@ -1,11 +1,5 @@
-"""JobCompleted and JobFailed: finish the assignment row, then move the job.
-
-The row keeps what the report says of the run: a JobFailed's kind and error, and the end of
-the job's output (log_tail), cut as gradient.jobs.work keeps them.
-
-A single job moves through its state machine at once: success completes it, a requeueing
-failure puts it back in the queue until its attempts run out, anything else ends it. A cluster
-member's report only finishes its row: its job's transition waits for the attempt's verdict.
+"""JobCompleted and JobFailed: finish the assignment row (with the report's error and log tail),
+then move the job. A cluster member's job waits for the attempt's verdict instead.
 """
 
 import uuid
@@ -105,9 +99,8 @@ def job_failed(
     error: str | None = None,
     log_tail: str | None = None,
 ) -> None:
-    """The member path goes first; an assignment that is no member's is a single's, whose
-    failure then runs in the transaction the member path opened: telling them apart costs
-    neither a query of its own."""
+    """The member path goes first; a single's failure then runs in the transaction it opened, so
+    telling them apart costs no query of its own."""
     pk = _assignment_pk(assignment_id)
     report = {"error": kept_error(error), "log_tail": kept_log_tail(log_tail)}
 
@@ -147,8 +140,7 @@ def _fail_single(row: DispatchedJob, kind: str) -> None:
 
 
 def release_single(rows) -> None:
-    """Abandoned single assignments (a disconnect, a silent worker): their jobs go back to the
-    queue. A failed prepare and a retry release cluster members through clusters.claim."""
+    """Abandoned single assignments (a disconnect, a silent worker): their jobs are requeued."""
     for row in rows:
         if row.kind == JobKind.BUILD:
             advance_build(row.derivation_build_id, BuildStatus.QUEUED, {BuildStatus.BUILDING})
@@ -157,8 +149,7 @@ def release_single(rows) -> None:
 
 
 def job_accepted(worker_id: int, job_id: str) -> None:
-    """A single job needs nothing more; a member's acceptance may start its attempt. One
-    statement either way (clusters.coordinator.accept_assignment)."""
+    """A single job needs nothing more; a member's acceptance may start its attempt."""
     accept_assignment(worker_id, job_id)
 
 

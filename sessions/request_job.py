@@ -6,7 +6,6 @@ from clusters.statements import seat_reserved_sql
 from clusters.wake import wake_dispatch
 from gradient.jobs.models import JobKind
 from workers import assignment, offers
-from workers.models import Worker
 
 
 def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.Head:
@@ -19,9 +18,8 @@ def read_head(worker, offered: offers.Offered, kinds=JobKind.values) -> offers.H
 def answer_request(
     worker_id: int, kind: str, worker=None, head=None, sizes=None, resend: bool = False
 ):
-    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded
-    and a cluster may now have its full placement, so the dispatch pass wakes (not for a
-    resend's slot that a pass has seen already)."""
+    """The cheapest job of the worker's head; with nothing to give, an idle slot was recorded that
+    may complete a placement, so the dispatch pass wakes (unless a pass has seen it already)."""
     reserved = seat_reserved_sql(kind)
     answer = assignment.request_job(worker_id, kind, worker, head, sizes, resend, reserved)
     if answer.wake:
@@ -30,21 +28,10 @@ def answer_request(
 
 
 def read_and_answer(worker, offered: offers.Offered, kind: str, resend: bool = False):
-    """A RequestJob's head read and, when it holds nothing new to score, the answer too, in
-    one call: each call to the session's database threads costs CPU (docs/benchmarks.md,
-    session costs). Returns the head, whether it was answered, and the
-    AssignJob (or None)."""
+    """A RequestJob's head read and, when it holds nothing new to score, the answer too, in one
+    call to the session's threads: the head, whether it was answered, and the AssignJob or None."""
     head = read_head(worker, offered, (kind,))
     if head.offer is not None:
         return head, False, None
     sizes = dict(offered.sizes)
     return head, True, answer_request(worker.pk, kind, worker, head.singles[kind], sizes, resend)
-
-
-def offer_or_answer(worker_id: int, kind: str, worker=None, offered=None):
-    """A RequestJob answered at once: the head's JobOffer (or None) and the AssignJob (or
-    None), with no wait for the scores in between; a session waits for them."""
-    worker = worker or Worker.objects.get(pk=worker_id)
-    offered = offered if offered is not None else offers.Offered()
-    head = read_head(worker, offered, (kind,))
-    return head.offer, answer_request(worker_id, kind, worker, head.singles[kind], offered.sizes)

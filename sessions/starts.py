@@ -12,17 +12,11 @@ from gradient.wire.groups import worker_group
 
 log = logging.getLogger(__name__)
 
-# Session starts under way at once, per event loop. With every worker accepted at once, a
-# thousand group_adds would wait together for the channel layer's Redis connections (200) and
-# fail after its pool timeout; past this many, a start waits here instead, for as long as it
-# takes. Attach runs on the handshake threads anyway.
+# Session starts under way at once, per event loop: past this many, a start waits here rather
+# than for the channel layer's Redis connections, which time out.
 SESSION_STARTS = 32
-# Starts first: while many sessions of this process are between their handshake and their
-# InitAck (a reconnect storm), the other sessions' frames (RequestJobs, reports) wait, each
-# up to STARTS_FIRST_SECS. Every worker is then back and known to be connected sooner, and
-# fewer handshakes outlast daphne's handshake timeout (a 403) or the worker's patience (a
-# retry, more load); the frames' work is the same, only later. A few starts at a time hold
-# nothing back.
+# Starts first: while many sessions are between their handshake and their InitAck, the other
+# sessions' frames wait, each up to STARTS_FIRST_SECS, so fewer handshakes time out.
 STARTS_FIRST_SECS = 5.0
 STORM_STARTS = 8
 
@@ -53,9 +47,8 @@ class Starts:
 
 
 class SessionStart:
-    """One session's start, counted among its loop's pending ones from its handshake to its
-    InitAck, and for STARTS_FIRST_SECS at most: a worker that never sends its capabilities must
-    not hold the other sessions' frames back for longer."""
+    """One session's start, pending from its handshake to its InitAck, for STARTS_FIRST_SECS at
+    most: a worker that never sends its capabilities must not hold the others back longer."""
 
     def __init__(self):
         self.under_way = False
@@ -98,12 +91,9 @@ def session_starts() -> Starts:
 
 
 async def leave_replaced(layer, worker_id: int, worker_name: str, previous: str):
-    """The session a new one replaces (channel `previous`) leaves the worker's group and is
-    told to close. Its own disconnect would do the first, but a session whose daphne was
-    killed never runs it: every send to the worker would also go to its dead channel until
-    the group expires (a day), filling that channel up. Both best effort, like every send:
-    the old session, if still alive, sees that it is no longer the live one at its next
-    liveness check and closes. In a storm it waits for calm, as the sessions' frames do."""
+    """The replaced session (channel `previous`) leaves the worker's group and is told to close:
+    one whose daphne was killed never runs its disconnect, and its dead channel would fill up.
+    Best effort: a live old session closes at its next liveness check anyway."""
     await session_starts().wait_for_calm()
     try:
         await layer.group_discard(worker_group(worker_id), previous)

@@ -6,12 +6,9 @@ from gradient.jobs.models import BUILD_MACHINE, DISPATCHED_MACHINE, EVALUATION_M
 # --- A session's start and liveness (sessions.connection) ---
 # The worker owning a token, by the token's hash, unless revoked.
 AUTHENTICATE_SQL = "SELECT id, name FROM worker WHERE token_hash = %s AND revoked_at IS NULL"
-# A session start with nothing of an earlier session to settle, in one statement (its own
-# transaction): lock the worker's row, forget its offers (offers are per connection: a
-# reconnecting worker is offered everything again) and, when a session it replaces is on
-# record, that session's idle slots; then record this session as the live one. Nothing to
-# settle: no earlier session, or one that holds no open assignment (as after a server was
-# killed with idle workers). Else no row comes back and attach() takes the long way.
+# A session start in one statement, when no earlier session holds an open assignment: the
+# worker's row locked, its offers (per connection) and the replaced session's idle slots
+# forgotten, this session recorded as live. Else no row comes back and attach() goes the long way.
 QUIET_ATTACH_SQL = """
 WITH target AS (
     SELECT id, channel_name FROM worker WHERE id = %(worker)s FOR UPDATE
@@ -30,9 +27,8 @@ SET channel_name = %(channel)s, connected_at = %(now)s, last_seen_at = %(now)s, 
 FROM quiet q WHERE w.id = q.id
 RETURNING q.channel_name
 """
-# Liveness in one statement, every workers.liveness.touch_every() seconds of a session that
-# sends frames: the last-seen time written, and whether this session is still the worker's
-# live one with its token good.
+# Liveness in one statement: last_seen_at written, and whether this session is still the
+# worker's live one with its token good.
 TOUCH_SQL = """
 WITH live AS (
     SELECT id FROM worker
@@ -55,10 +51,8 @@ RETURNING *
 """
 
 # --- A single job's JobCompleted (sessions.reports) ---
-# A single job's JobCompleted in one statement (one round trip, atomic on its own): three
-# guarded writes, its open row finished and its job (a build or an evaluation) Completed. A
-# fetch-only job leaves its evaluation Fetching. Whether the assignment is a cluster member's
-# comes back with it, so a member's report costs no extra query.
+# One statement: its open row finished and its job Completed (a fetch-only job's evaluation
+# stays Fetching), and whether the row was a cluster member's.
 _DONE = DISPATCHED_MACHINE.update(
     "done",
     "id = %(id)s AND worker_id = %(worker)s AND job_id = %(job)s AND cluster_attempt_id IS NULL",

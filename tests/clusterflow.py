@@ -12,11 +12,14 @@ from django.utils import timezone
 from clusters.claim import ClusterClaim, claim_cluster
 from clusters.coordinator import accept_assignment
 from clusters.models import ClusterAttempt
-from gradient.jobs.claim import Assignment, ClaimGate
+from gradient.jobs.claim import Assignment, ClaimGate, claim_params
 from gradient.jobs.models import DispatchedJob
+from gradient.jobs.statements import claim_sql
 from gradient.wire.groups import drain_sends, worker_group
+from sessions.request_job import answer_request, read_and_answer
 from tests.factories import BuildMemberFactory, ClusterFactory, EvalMemberFactory, WorkerFactory
 from workers.models import IdleSlot
+from workers.offers import Offered
 
 # The dispatch pass reads scores and claims on threads with database connections of their own,
 # which see committed rows only: a test that runs a pass commits its rows.
@@ -32,6 +35,24 @@ def idle_workers(n, kinds=("eval", "build"), **fields):
             IdleSlot.objects.create(worker=worker, kind=kind, recorded_at=now)
         workers.append(worker)
     return workers
+
+
+def claim_assignment(assignment: Assignment) -> bool:
+    """One row through the claim statement every claim runs, with no condition of a caller's:
+    whether it won."""
+    with connection.cursor() as cursor:
+        cursor.execute(claim_sql("true"), claim_params([assignment]))
+        return cursor.fetchone() is not None
+
+
+def session_request(worker, kind, offered=None):
+    """A RequestJob answered as a session answers it, without the wait for the worker's
+    scores: the head's JobOffer (or None) and the AssignJob (or None)."""
+    offered = offered if offered is not None else Offered()
+    head, answered, assign = read_and_answer(worker, offered, kind)
+    if not answered:
+        assign = answer_request(worker.pk, kind, worker, head.singles[kind], dict(offered.sizes))
+    return head.offer, assign
 
 
 class Inbox:

@@ -6,8 +6,7 @@ from django.db.backends.utils import CursorWrapper
 
 from clusters.dispatch import run_pass
 from gradient.jobs.models import DispatchedJob
-from sessions.request_job import offer_or_answer
-from tests.clusterflow import Inbox, committed, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers, session_request
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -126,7 +125,7 @@ def test_only_the_claims_read_the_work(memory_layer, statements):
     worker = WorkerFactory()
     [seat] = idle_workers(1, kinds=("build",))
     statements.clear()
-    offer, assign = offer_or_answer(worker.pk, "build", worker)
+    offer, assign = session_request(worker, "build")
     assert run_pass().claimed == [cluster.pk]
     reading = [sql for sql in statements if "command" in sql]
     assert assign.job_id == single.job_key

@@ -2,10 +2,11 @@ import pytest
 from django.utils import timezone
 
 from gradient.errors import NotAllowed
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
+from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import BuildStatus, DispatchedJob, JobKind
 from gradient.wire.keys import job_key
 from sessions import reports
+from tests.clusterflow import claim_assignment
 from tests.concurrency import race
 from tests.factories import BuildFactory, EvaluationFactory, WorkerFactory
 

@@ -15,10 +15,11 @@ from clusters.claim import (
     claim_clusters,
 )
 from clusters.models import ClusterAttempt, ClusterStatus
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
+from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import BuildStatus, DispatchedJob, EvaluationStatus
 from tests.clusterflow import (
     assert_whole_or_nothing,
+    claim_assignment,
     claim_for,
     claimed,
     hold_open_row,

@@ -11,10 +11,11 @@ from clusters.claim import (
     claim_clusters,
 )
 from clusters.models import ClusterAttempt, ClusterJob, ClusterStatus
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
+from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import BuildStatus, EvaluationStatus
 from tests.clusterflow import (
     assert_whole_or_nothing,
+    claim_assignment,
     claim_for,
     hold_open_row,
     make_cluster,

@@ -22,8 +22,7 @@ from gradient.jobs.models import (
 )
 from gradient.jobs.steps import FETCH_STEPS
 from sessions import reports
-from sessions.request_job import offer_or_answer
-from tests.clusterflow import Inbox, committed, idle_workers
+from tests.clusterflow import Inbox, committed, idle_workers, session_request
 from tests.factories import (
     BuildFactory,
     BuildMemberFactory,
@@ -81,11 +80,6 @@ MEMBER_COMPLETED_DECIDING = 11
 MEMBER_FAILED_DECIDING = 10
 
 
-def answer_request(worker, kind, offered=None):
-    """A session's RequestJob, its worker's row at hand (it has it from the capabilities)."""
-    return offer_or_answer(worker.pk, kind, worker, offered)
-
-
 def counted(fn, *args):
     with CaptureQueriesContext(connection) as captured:
         result = fn(*args)
@@ -108,7 +102,7 @@ def test_a_request_that_assigns_a_job(kind):
     project, worker = ProjectFactory(), WorkerFactory()
     IdleSlot.objects.create(worker=worker, kind=kind, recorded_at="2026-01-01T00:00Z")
     job = queued(kind, project)
-    (offer, assign), sql = counted(answer_request, worker, kind)
+    (offer, assign), sql = counted(session_request, worker, kind)
     assert len(sql) == REQUEST_ASSIGNING, "\n".join(sql)
     assert [j.job_id for j in offer.jobs] == [job.job_key]
     assert assign.job_id == job.job_key and assign.message.job.project == project.name
@@ -126,8 +120,8 @@ def test_a_request_that_assigns_a_job(kind):
 @pytest.mark.django_db
 def test_a_request_with_nothing_to_give():
     worker = WorkerFactory()
-    answer_request(worker, "build")
-    (offer, assign), sql = counted(answer_request, worker, "build")
+    session_request(worker, "build")
+    (offer, assign), sql = counted(session_request, worker, "build")
     assert (offer, assign) == (None, None)
     assert len(sql) == REQUEST_IDLE, "\n".join(sql)
     assert IdleSlot.objects.filter(worker=worker, kind="build").exists()
@@ -139,17 +133,17 @@ def test_an_offer_leaves_out_what_the_worker_was_offered_before():
     project, worker = ProjectFactory(), WorkerFactory(max_concurrent_evals=0)
     first = queued("eval", project)
     offered = Offered()  # the session's memory of the single jobs it offered
-    offer, _ = answer_request(worker, "eval", offered)
+    offer, _ = session_request(worker, "eval", offered)
     assert [j.job_id for j in offer.jobs] == [first.job_key]
     second = queued("eval", project)
-    offer, _ = answer_request(worker, "eval", offered)
+    offer, _ = session_request(worker, "eval", offered)
     assert [j.job_id for j in offer.jobs] == [second.job_key]
 
 
 def assigned(kind, steps=None):
     worker = WorkerFactory()
     job = queued(kind, ProjectFactory())
-    _, assign = answer_request(worker, kind)
+    _, assign = session_request(worker, kind)
     if steps is not None:
         DispatchedJob.objects.update(steps=steps)
         Evaluation.objects.filter(pk=job.pk).update(status=EvaluationStatus.FETCHING)

@@ -99,8 +99,7 @@ class WorkerAdmin(admin.ModelAdmin):
     ]
 
     def get_queryset(self, request):
-        # What the list shows of each worker, in the list's one query: the kinds of its live
-        # idle slots (the planner ignores older ones) and the job keys it runs now.
+        # In the list's one query: the kinds of its live idle slots and the keys it runs now.
         fresh = idle_slot_fresh_since(timezone.now())
         slots = IdleSlot.objects.filter(worker=OuterRef("pk"), recorded_at__gte=fresh)
         running = DispatchedJob.objects.filter(worker=OuterRef("pk"), finished_at__isnull=True)
@@ -153,8 +152,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.display(description="recent seats")
     def recent_seats(self, worker):
-        """The latest cluster seats, newest first, with the blame of those that ended their
-        attempt."""
+        """The latest cluster seats, newest first, with the blame of those that ended one."""
         rows = health.seat_rows(worker.pk)
         if not rows:
             return "-"

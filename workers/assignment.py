@@ -1,9 +1,5 @@
 """The single path: RequestJob -> the cheapest job of the worker's head -> claim -> AssignJob.
-
-Members of a Queued or Running cluster are never given out here: they start only through
-their cluster (clusters.book). Nothing to give records an idle slot, the planner's view
-of free capacity.
-"""
+Cluster members start only through their cluster; nothing to give records an idle slot."""
 
 import functools
 import uuid
@@ -74,9 +70,8 @@ def _claim_sql(kind: str, statuses: tuple[str, ...], skip: bool, reserved: str) 
 
 
 def _assigned(how: Offerable) -> dict:
-    """The parameters of the Assigned transition of a job claimed this way: a build goes
-    Building; an evaluation Fetching for a fetch-only worker, else EvaluatingFlake (from Queued
-    or Fetching alike)."""
+    """The Assigned transition of a job claimed this way: a build goes Building; an evaluation
+    Fetching for a fetch-only worker, else EvaluatingFlake."""
     if how.kind == JobKind.BUILD:
         to = BuildStatus.BUILDING
     else:
@@ -188,14 +183,11 @@ def request_job(
     resend: bool = False,
     reserved: str = "false",
 ) -> Answer:
-    """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can
-    take now, or none after recording an idle slot (none when it is full, draining or cannot
-    serve). `head` is the kind's single jobs at the head as the offer read them, `sizes` the
-    worker's scores of them (workers.offers.Offered); without them the head is read now.
-    `resend`: the session answered this kind with an idle slot last, and the worker reported
-    nothing since (record_idle then refreshes the slot it finds). `reserved`: SQL, whether the
-    worker row w holds a seat of this kind for a cluster (clusters.statements.seat_reserved_sql:
-    the clusters app's tables, which this app does not read itself)."""
+    """Answer a RequestJob: an AssignJob for the best single job of the worker's head it can take
+    now, or none after recording an idle slot. `head` and `sizes` are the kind's head as offered
+    and the worker's scores of it (read now when None). `resend`: the last answer for this kind was
+    an idle slot. `reserved`: SQL, whether worker w holds a seat of this kind for a cluster (from
+    the clusters app, whose tables this app does not read)."""
     worker = worker or Worker.objects.get(pk=worker_id)
     how = offerable(worker, kind)
     if how is None or worker.draining:
@@ -230,10 +222,9 @@ def assign_job(
     cluster: dict | None = None,
     work: Mapping | None = None,
 ) -> RenderedAssign:
-    """The AssignJob of a claimed job, a single's or (with its hold, a ClusterHold's fields) a
-    member's, rendered from the database's own rows by pydantic's serializer without building
-    the models: a large pass frames thousands, and the models would be most of its cost.
-    `work` is what the job runs as its claim read it (CLAIMED_WORK); None for none."""
+    """The AssignJob of a claimed job, a single's or (with its hold) a member's, rendered from the
+    rows by pydantic's serializer without building the models, which would cost a large pass most
+    of its time. `work` is what its claim read (CLAIMED_WORK)."""
     job = str(job_id)
     work = work or NO_WORK
     body = {

@@ -1,11 +1,9 @@
-"""Worker health (protocol.md, "Worker health: quarantine at the gang level"): a worker's blamed
-seats in a row, and its quarantine from cluster members.
+"""Worker health (protocol.md, "Worker health"): blamed seats in a row, and quarantine.
 
-A worker is quarantined while its quarantined_until lies ahead. An automatic quarantine lasts
-GRADIENT_QUARANTINE_SECS; its streak is left as it was, so once lifted the worker is on
-probation: its next blamed seat makes the streak reach the threshold again and quarantines it at
-once, until a seat of it succeeds. An operator's quarantine lasts until released (FOREVER), and
-a release clears the streak too. Single jobs still reach a quarantined worker.
+An automatic quarantine leaves the streak as it was, so once lifted the worker is on
+probation: its next blamed seat quarantines it again, until a seat of it succeeds. An
+operator's lasts until released, and a release clears the streak. Single jobs still reach a
+quarantined worker.
 """
 
 from dataclasses import dataclass
@@ -38,8 +36,7 @@ def quarantine_due(blamed_in_row: int, quarantined: bool, after: int) -> bool:
 
 
 def on_probation(worker: Worker, now: datetime) -> bool:
-    """Lifted from an automatic quarantine, with no seat succeeded since: its next blamed seat
-    quarantines it again."""
+    """Lifted from an automatic quarantine, no seat succeeded since: a blamed seat quarantines."""
     after = settings.GRADIENT["QUARANTINE_AFTER"]
     return (
         worker.quarantined_by == AUTOMATIC
@@ -106,8 +103,7 @@ RECENT_SEATS = 20
 
 
 def seat_rows(worker_id: int, limit: int = RECENT_SEATS) -> list[dict]:
-    """The worker's latest cluster seats, newest first: attempt, cluster, job_id, outcome,
-    blame, dispatched_at."""
+    """The worker's latest cluster seats, newest first."""
     return list(
         DispatchedJob.objects.filter(worker_id=worker_id, cluster_attempt__isnull=False)
         .order_by("-dispatched_at", "-id")

@@ -1,7 +1,6 @@
 """Workers: identity (a token hash), project access, capabilities and connection state."""
 
 import hashlib
-import hmac
 import secrets
 from datetime import datetime, timedelta
 
@@ -69,9 +68,6 @@ class Worker(models.Model):
     def new_token() -> str:
         return secrets.token_urlsafe(TOKEN_BYTES)
 
-    def token_matches(self, token: str) -> bool:
-        return hmac.compare_digest(self.token_hash, hash_token(token))
-
     def may_access(self, project_id: int) -> bool:
         return self.all_projects or self.projects.filter(pk=project_id).exists()
 
@@ -101,18 +97,15 @@ class IdleSlot(models.Model):
 
 
 def idle_slot_fresh_since(now: datetime) -> datetime:
-    """The idle slot's still-fresh cutoff: a slot recorded at or after it is live, an older
-    one stale (GRADIENT_IDLE_SLOT_TTL_SECS)."""
+    """The idle slot's still-fresh cutoff: a slot recorded at or after it is live."""
     return now - timedelta(seconds=settings.GRADIENT["IDLE_SLOT_TTL_SECS"])
 
 
 class JobScore(models.Model):
-    """A worker's answer for a job it was offered: what it would have to fetch (written by
-    its JobScores; offered_at is then the answer's time too). A pair never scored has no row
-    and counts as the most expensive seat."""
+    """A worker's answer for a job it was offered: what it would have to fetch. A pair never
+    scored has no row and counts as the most expensive seat."""
 
-    # The key is the pair: no id column, sequence or index of its own to write for each of
-    # the many rows a busy fleet's answers add.
+    # The pair is the key: no id, sequence or index of its own to write for each row.
     pk = models.CompositePrimaryKey("worker", "job_id")
     worker = models.ForeignKey(
         Worker,

@@ -21,9 +21,8 @@ FROM pg_class WHERE oid = %s::regclass AND reltuples >= 0
 
 
 class EstimatedCountPaginator(Paginator):
-    """An exact count reads every row the list could show. An unfiltered list of a large table
-    is counted by PostgreSQL's estimate instead (the list then says "about"); a filtered or
-    searched one, or a small table, is counted exactly."""
+    """An unfiltered list of a large table counted by PostgreSQL's estimate (the list says
+    "about"), rather than by reading every row; a filtered one, or a small table, exactly."""
 
     estimated = False
 

@@ -1,11 +1,6 @@
-"""claim_assignment: the single-assignment claim statement.
-
-One INSERT ... SELECT ... WHERE <start condition> ON CONFLICT DO NOTHING over a set of rows,
-an assignment each: each job's start condition and idx-dispatched_job-open-job decide in
-PostgreSQL whether its claimer wins, so any number of processes can claim at once and at most
-one row per job key is ever open. A single job is one row; a cluster claim (clusters.claim)
-sends every member's row, each with its own job key, start condition and attempt, to the same
-statement.
+"""The rows of the claim statement (gradient.jobs.statements.claim_sql): INSERT ... SELECT ...
+WHERE <start condition> ON CONFLICT DO NOTHING, a row per assignment, so idx-dispatched_job-
+open-job lets at most one row per job key be open however many processes claim.
 """
 
 import json
@@ -14,10 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
-from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from gradient.jobs import statements
 from gradient.jobs.models import BUILD_STARTABLE, EVALUATION_STARTABLE, JobKind
 from gradient.wire.keys import job_key
 
@@ -58,7 +51,7 @@ START_PARAMS = {
 
 
 def claim_params(assignments: list[Assignment]) -> dict:
-    """The parameters of CLAIM_SQL (and of START_CONDITION over CLAIM_ROWS)."""
+    """The parameters of the claim statement (gradient.jobs.statements.claim_sql)."""
     now = timezone.now().isoformat()
     rows = []
     for a in assignments:
@@ -81,13 +74,3 @@ def claim_params(assignments: list[Assignment]) -> dict:
             }
         )
     return {"claims": json.dumps(rows), **START_PARAMS}
-
-
-def claim_assignment(assignment: Assignment, using=None) -> bool:
-    """Insert the assignment's open row if its job can start and has no open row.
-
-    True when this call won. Runs in the caller's transaction when there is one.
-    """
-    with connections[using or DEFAULT_DB_ALIAS].cursor() as cursor:
-        cursor.execute(statements.CLAIM_SQL, claim_params([assignment]))
-        return cursor.fetchone() is not None

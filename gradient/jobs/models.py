@@ -1,7 +1,5 @@
 """The existing jobs that clusters group: projects, evaluations, shared builds, assignments.
-
-This app knows nothing of clusters or of workers' sessions; other apps point at it.
-"""
+This app knows nothing of clusters or of workers' sessions; other apps point at it."""
 
 import uuid
 
@@ -79,8 +77,7 @@ BUILD_TERMINAL = frozenset(
 )
 # Failures that send a build back to Queued; a spent budget turns them permanent.
 BUILD_REQUEUEABLE = frozenset({B.FAILED_TRANSIENT, B.FAILED_TIMEOUT})
-# A build can be claimed while Queued (the claim's start condition), in the substitute mode
-# the claimer saw.
+# A build can be claimed while Queued, in the substitute mode the claimer saw.
 BUILD_STARTABLE = frozenset({B.QUEUED})
 BUILD_MACHINE = StateMachine(
     "build",
@@ -102,10 +99,8 @@ BUILD_MACHINE = StateMachine(
 )
 
 
-# Always true (created_at is NOT NULL), and stated only by the head's walk over every project
-# (workers.head.EVERY_PROJECT_SQL), so a walk of one project cannot use the index over every
-# project. PostgreSQL guesses that a project keeps 1/n_distinct of the queue, and would walk
-# that index past another project's thousands of jobs to fill the window of a project with none.
+# Always true, and stated only by the head's walk over every project, so that a walk of one
+# project cannot pick the index over every project and wade through the others' jobs.
 EVERY_PROJECT = Q(created_at__isnull=False)
 
 
@@ -121,14 +116,12 @@ class JobFields(models.Model):
     prioritized = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    # A member of a Queued or Running cluster: kept by the triggers on cluster_member and
-    # cluster_job (clusters.models, their Meta), whoever writes them. Never a single job.
+    # A member of a Queued or Running cluster, kept by clusters.models' triggers.
     active_member = models.BooleanField(default=False, db_default=False, editable=False)
     # Times a younger single job of its kind was given out while this one was first in line:
     # at GRADIENT_OFFER_WINDOW it goes before any cheaper one (protocol.md, the head).
     passed_over = models.PositiveSmallIntegerField(default=0, db_default=0, editable=False)
-    # What the job runs (protocol.md, "Running real work"; the rules: gradient.jobs.work).
-    # Read only for the jobs a claim takes (gradient.jobs.claim), never by the head's walks.
+    # What the job runs (gradient.jobs.work): read by the claims, never by the head's walks.
     command = models.JSONField(null=True, blank=True)
     env = models.JSONField(default=dict, db_default=Value({}, models.JSONField()), blank=True)
     timeout_secs = models.IntegerField(null=True, blank=True)
@@ -145,8 +138,7 @@ class JobFields(models.Model):
 
 
 def timeout_range(table: str) -> models.CheckConstraint:
-    """timeout_secs null or 1 to MAX_TIMEOUT_SECS, held by PostgreSQL too (an integer
-    comparison: what every write of the row pays for it is nothing)."""
+    """timeout_secs null or 1 to MAX_TIMEOUT_SECS, held by PostgreSQL too, at no cost."""
     return models.CheckConstraint(
         condition=Q(timeout_secs__isnull=True)
         | Q(timeout_secs__gte=1, timeout_secs__lte=MAX_TIMEOUT_SECS),
@@ -163,12 +155,9 @@ class Evaluation(JobFields):
         db_table = "evaluation"
         constraints = [timeout_range("evaluation")]
         indexes = [
-            # The head of the queue (workers.head): the single evaluations that can start
-            # (Queued, or Fetching for the follow-up of a split one) in the single path's
-            # order, read up to the window per architecture (and per project for a worker
-            # limited to some). Members and finished evaluations are left out, so the read
-            # walks no further than the jobs a worker could take. EVERY_PROJECT keeps the
-            # walks of one project off the first index (workers.head).
+            # The head of the queue (workers.head): the single evaluations that can start, in
+            # the single path's order; members and finished ones are left out, so the walk
+            # goes no further than the jobs a worker could take.
             models.Index(
                 fields=["architecture", "-prioritized", "created_at"],
                 name="idx-evaluation-head",
@@ -287,16 +276,14 @@ class DispatchedJob(models.Model):
     failure_kind = models.CharField(max_length=32, null=True, blank=True)
     # A member's seat that ended its attempt, and how (clusters.blame): its worker's health.
     blame = models.CharField(max_length=32, null=True, blank=True)
-    # The JobFailed's error, and the end of the job's output its report carried
-    # (gradient.jobs.work.kept_error, kept_log_tail).
+    # The JobFailed's error and the end of the job's output (gradient.jobs.work).
     error = models.TextField(null=True, blank=True)
     log_tail = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatched_job"
         constraints = [
-            # Serves claim_assignment's ON CONFLICT (job_id) WHERE finished_at IS NULL:
-            # at most one open assignment per job key, arbitrated by PostgreSQL.
+            # Serves the claim's ON CONFLICT: at most one open assignment per job key.
             models.UniqueConstraint(
                 fields=["job_id"],
                 condition=Q(finished_at__isnull=True),

@@ -4,18 +4,14 @@ runs it; the code modules import them from here."""
 from gradient.jobs.models import DISPATCHED_MACHINE
 
 # --- The claims, single and member (gradient.jobs.claim) ---
-# The claim's rows, an assignment each (claim_rows), aliased t. They go as one JSON document:
-# psycopg dumps a Python list element by element (a type lookup and a quoting check for
-# each), which for a dispatch pass's batch of members cost more than the statement itself;
-# json.dumps is C, and PostgreSQL reads the rows with json_to_recordset.
+# The claim's rows, an assignment each, aliased t, sent as one JSON document: cheaper than
+# psycopg's dumping of a list element by element.
 CLAIM_ROWS = """json_to_recordset(%(claims)s::json)
      AS t(id uuid, kind text, job_id text, evaluation_id uuid, build_id uuid, worker_id bigint,
           project_id bigint, steps text, dispatched_at timestamptz, attempt_id uuid,
           size bigint, substitute bool)"""
-# The start condition of a row's job (ClaimGate). A cluster claim also reads it to leave out,
-# before writing anything, an attempt with a member that cannot start. Each probe reads its
-# row by primary key: OFFSET 0 keeps PostgreSQL from hashing a whole table instead, which it
-# would for the hundred rows it guesses a JSON document holds.
+# The start condition of a row's job (ClaimGate), which a cluster claim also reads before it
+# writes. OFFSET 0 keeps each probe a primary-key read rather than a hash of a whole table.
 START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
      THEN EXISTS (SELECT 1 FROM derivation_build b WHERE b.id = t.build_id
                   AND b.status = ANY(%(build_startable)s) AND b.cache_available = t.substitute
@@ -23,9 +19,8 @@ START_CONDITION = """CASE WHEN t.build_id IS NOT NULL
      ELSE EXISTS (SELECT 1 FROM evaluation e WHERE e.id = t.evaluation_id
                   AND e.status = ANY(%(eval_startable)s) OFFSET 0)
 END"""
-# What a claimed row's job runs (gradient.jobs.work), for its AssignJob: read here, for the
-# jobs claimed alone, so that the reads of the queue never carry it. One JSON object with the
-# AssignJob's own keys, read by its job's primary key, as START_CONDITION probes it.
+# What a claimed row's job runs, for its AssignJob: read only here, so that the reads of the
+# queue never carry it.
 CLAIMED_WORK = """CASE WHEN dispatched_job.derivation_build_id IS NOT NULL
      THEN (SELECT json_build_object('command', b.command, 'env', b.env,
                                     'timeout_secs', b.timeout_secs)
@@ -51,11 +46,10 @@ ORDER BY t.job_id
 ON CONFLICT (job_id) WHERE finished_at IS NULL DO NOTHING
 RETURNING job_id, {CLAIMED_WORK} AS work
 """
-CLAIM_SQL = CLAIM_TEMPLATE.replace("/*also*/", "")
 
 
 def claim_sql(also: str) -> str:
-    """CLAIM_SQL for the rows that also meet `also` (SQL over the row t)."""
+    """The claim of the rows that also meet `also` (SQL over the row t)."""
     return CLAIM_TEMPLATE.replace("/*also*/", f"AND {also}")
 
 

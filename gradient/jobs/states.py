@@ -1,10 +1,9 @@
 """A state machine: which moves a status allows, and the guarded write that makes one.
 
 A move is one conditional UPDATE whose WHERE holds `state = ANY(<the sources its target
-allows>)`, so a row moves only from a state the table lets it leave; the row count says
-whether (or how many) moved. Statements of every module take that write from here, whole or
-as a CTE of a set-based statement, so each machine's table is the one place a move is allowed.
-The tables themselves sit next to their enums (gradient.jobs.models, clusters.models).
+allows>)`; the row count says how many moved. Every module's statements take that write from
+here, whole or as a CTE, so each machine's table (next to its enum) is the one place a move is
+allowed.
 """
 
 from collections.abc import Iterable, Mapping

@@ -27,9 +27,8 @@ def column_range(model, field: str) -> tuple[int, int]:
 
 
 class SubmissionError(ValueError):
-    """A submission refused before anything is written; the message is one line. `field`
-    names what broke the rule as a document names it (`kind`, `members[1].command`), where
-    the refusal is about one field."""
+    """A submission refused before anything is written, in one line; `field` names what broke the
+    rule as a document names it (`members[1].command`)."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)

@@ -1,9 +1,6 @@
 """The guarded writes of every state machine (gradient.jobs.states): move(), and the ORM-free
-wrappers the single path and the reports call.
-
-Every status write of the project goes through a machine's update(): here as a statement of
-its own, elsewhere as a CTE of a set-based statement (the claim, the start, the close, a
-single job's completion). No caller writes a status, an outcome or a finish time otherwise.
+wrappers the single path and the reports call. No caller writes a status, an outcome or a
+finish time otherwise; set-based statements take the same write as a CTE.
 """
 
 from collections.abc import Iterable
@@ -57,9 +54,7 @@ def finish_assignments(
     error: str | None = None,
     log_tail: str | None = None,
 ) -> int:
-    """End every listed open assignment with its outcome (and what a report says: a
-    JobFailed's kind and error, the output's log tail, as gradient.jobs.work keeps them); how
-    many were open."""
+    """End every listed open assignment with its outcome and its report's output; how many."""
     params = {
         "ids": list(pks),
         "failure_kind": failure_kind,

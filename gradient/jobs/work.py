@@ -1,9 +1,6 @@
-"""The work a job carries (protocol.md, "Running real work"): what it runs (`command`), with
-which extra environment (`env`) and for how long at most (`timeout_secs`), checked here for
-every way in: submit_job, submit_cluster's document and the models' own validation. And the
-end of its output (a report's `log_tail`) as the server keeps it with the assignment.
-
-Sizes are those of the value encoded as compact JSON in UTF-8, the form it is stored and sent in.
+"""The work a job carries (protocol.md, "Running real work"): `command`, `env` and
+`timeout_secs`, checked here for every way in, and a report's `log_tail` as the server keeps it.
+Sizes are those of the compact UTF-8 JSON the value is stored and sent as.
 """
 
 import json
@@ -92,8 +89,7 @@ def check_work(command: Any, env: Any, timeout_secs: Any) -> None:
 
 
 def kept_log_tail(log_tail: str | None) -> str | None:
-    """The last MAX_LOG_TAIL_BYTES of a report's log_tail, cut at its start on a character
-    boundary."""
+    """The last MAX_LOG_TAIL_BYTES of a report's log_tail, cut on a character boundary."""
     if log_tail is None:
         return None
     data = log_tail.encode()

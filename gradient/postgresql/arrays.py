@@ -1,10 +1,6 @@
 """Long lists as one PostgreSQL array literal each, for a `%s::text[]` or `%s::bigint[]`
-parameter.
-
-psycopg dumps a Python list element by element in Python (a dumper lookup and a check for
-each), which for a JobScores answer costs far more than PostgreSQL's reading of it. The same
-values as one literal ("{...}", parsed by PostgreSQL's array input) skip that work. The batch
-claims pass their rows as JSON for the same reason.
+parameter: psycopg dumps a list element by element in Python, which for a JobScores answer
+costs far more than PostgreSQL's parsing of one literal.
 """
 
 from collections.abc import Iterable, Sequence

@@ -1,11 +1,9 @@
 """Django's PostgreSQL backend, with CONN_HEALTH_CHECKS at most once a second per connection,
 and psycopg's placeholder conversion kept for our longest statements too.
 
-Django checks a reused connection (a `SELECT 1` round trip) at the start of every request, and
-every database_sync_to_async call is a request: a session's frame that needs one statement
-paid two round trips. A connection that passed a check, or was opened, less than a second ago
-is trusted instead; one idle for longer (the case the checks are for: PostgreSQL restarted
-meanwhile) is still checked before use.
+Every database_sync_to_async call is a request, and Django checks a reused connection (a round
+trip) at the start of each. One checked or opened less than a second ago is trusted; one idle
+for longer (PostgreSQL may have restarted) is still checked.
 """
 
 import time
@@ -15,9 +13,8 @@ from psycopg import _queries
 
 TRUSTED_FOR_SECS = 1.0
 
-# psycopg converts a statement's %(name)s placeholders once and keeps the result only for a
-# text below a size limit (against ORMs' one-off statements). The head of the queue's statement
-# is past it, so every RequestJob would pay the conversion again.
+# psycopg caches its placeholder conversion only below a size limit, which the head of the
+# queue's statement passes.
 STATEMENTS_CACHED_UP_TO = 16 * 1024
 _queries.MAX_CACHED_STATEMENT_LENGTH = max(
     _queries.MAX_CACHED_STATEMENT_LENGTH, STATEMENTS_CACHED_UP_TO

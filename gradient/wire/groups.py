@@ -27,10 +27,9 @@ def worker_group(worker_id: int) -> str:
 
 
 class _SenderLoop:
-    """One event loop per process, on a thread of its own, for sends from code that runs
-    outside any loop (a Celery pass, a management command). async_to_sync there would make a
-    new loop per call, and the Redis layer keeps its connections per loop: each call would
-    open fresh connections to Redis and drop them."""
+    """One event loop per process, on a thread of its own, for sends from outside any loop (a
+    Celery pass, a command): async_to_sync would make a loop per call, each with fresh Redis
+    connections."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -52,8 +51,7 @@ class _SenderLoop:
             self._pending.discard(future)
 
     def drain(self, timeout: float = SEND_TIMEOUT_SECS) -> None:
-        """Wait for the sends submitted so far (a process about to exit, a test reading what
-        a pass sent)."""
+        """Wait for the sends submitted so far (before an exit, or for a test)."""
         with self._lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout)
@@ -77,9 +75,8 @@ def drain_sends(timeout: float = SEND_TIMEOUT_SECS) -> None:
 
 
 def _session_loop() -> asyncio.AbstractEventLoop | None:
-    """The running event loop this thread runs sync code for (a session's service in daphne,
-    via sync_to_async), if any: the layer already has its connections there. (The attributes
-    are asgiref's own, the ones async_to_sync reads.)"""
+    """The event loop this thread runs sync code for (a session's service, through asgiref's
+    sync_to_async), if any: the layer already has its connections there."""
     local = SyncToAsync.threadlocal
     loop = getattr(local, "main_event_loop", None)
     if loop is not None and getattr(local, "main_event_loop_pid", None) == os.getpid():
@@ -87,10 +84,8 @@ def _session_loop() -> asyncio.AbstractEventLoop | None:
     return None
 
 
-# A session's sends, per event loop, made in order by one task: the service that asked goes
-# on without waiting for the loop. Waiting held one of the few database threads until the
-# loop, busy with hundreds of sessions, got round to the send: with a busy fleet the
-# acceptances queued behind those threads for seconds.
+# A session's sends, per event loop, made in order by one task, so that the service that asked
+# does not hold a database thread until the busy loop gets round to them.
 _loop_sends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -127,9 +122,8 @@ def _run(make_coro, wait: bool = True) -> None:
 
 
 def send_to_worker_on_commit(worker_id: int, message: dict) -> None:
-    """Sends `message` to the worker's session once the current transaction commits, so nothing
-    is announced that then rolls back. The layer carries only wake-ups: if it is unreachable the
-    state is already in PostgreSQL, so log and go on."""
+    """Sends `message` to the worker's session once the transaction commits. The layer carries
+    only wake-ups whose state is in PostgreSQL: if it is unreachable, log and go on."""
 
     async def group_send():
         try:
@@ -158,9 +152,8 @@ def close_revoked_on_commit(worker_id: int) -> None:
 def send_frames(
     frames: list[tuple[int, object]], event: str = "worker.send", wait: bool = True
 ) -> None:
-    """Sends protocol messages now (outside any transaction); best effort, like every send.
-    `event` names the session's handler (worker.offer: an offer of the dispatch pass's);
-    without `wait`, the caller goes on while they are sent."""
+    """Sends protocol messages now, best effort; `event` names the session's handler, and without
+    `wait` the caller goes on while they are sent."""
     layer = get_channel_layer()
     # A message sent to several workers (a StartCluster to every member) is rendered once.
     texts = {id(message): message.frame() for _, message in frames}

@@ -1,8 +1,6 @@
 """Worker protocol v1 (shared protocol.md): one schema per message, validated in one place.
-
 Imports nothing of the project's apps, so the reference worker and tests use it as a client.
-Unknown fields are ignored; a missing or mistyped field is a ProtocolError naming it.
-"""
+Unknown fields are ignored; a missing or mistyped field is a ProtocolError naming it."""
 
 import json
 from functools import cached_property
@@ -59,8 +57,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     def frame(self) -> str:
-        # pydantic's own JSON encoder, a few times faster than json.dumps of a dumped dict: a
-        # dispatch pass frames thousands of AssignJobs. The type goes first, as in every frame.
+        # pydantic's own encoder, far faster than json.dumps; the type goes first in a frame.
         body = self.model_dump_json()
         head = '{"type":' + json.dumps(type(self).__name__)
         return head + "}" if body == "{}" else head + "," + body[1:]
@@ -101,8 +98,7 @@ class WorkerCapabilities(Message):
     fetch: StrictBool
     zone: Zone | None = None
     endpoint: Endpoint | None = None
-    # What the worker still runs, or holds a report of, from an earlier session (a server
-    # restart, a lost connection): those assignments stay open instead of being given up.
+    # What the worker still runs from an earlier session: those assignments stay open.
     running: Annotated[list[RunningJob], Field(max_length=10_000)] = []
 
 

@@ -4,11 +4,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from gradient.jobs.claim import Assignment, ClaimGate, claim_assignment
+from gradient.jobs.claim import Assignment, ClaimGate
 from gradient.jobs.models import BuildStatus, DerivationBuild, DispatchedJob
 from gradient.jobs.transitions import advance_build
 from sessions.liveness import disconnect_silent_workers
-from tests.clusterflow import committed
+from tests.clusterflow import claim_assignment, committed
 from tests.factories import BuildFactory, WorkerFactory
 from tests.sessions.session_db import q
 from workers import liveness

@@ -77,8 +77,7 @@ class JsonCommand(BaseCommand):
             a.dest: max(a.option_strings, key=len) if a.option_strings else (a.metavar or a.dest)
             for a in parser._actions
         }
-        # Usage errors raise CommandError instead of printing the usage text, so they too
-        # come out as one line (see run_from_argv).
+        # Usage errors raise CommandError, so they too come out as one line (run_from_argv).
         parser.called_from_command_line = False
         return parser
 
