@@ -81,24 +81,18 @@ def ensure_database() -> None:
     from psycopg import sql
 
     name = connection.settings_dict["NAME"]
-
-    def admin(statement):
-        with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as c:
-            exists = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
-            if statement == "create" and not exists:
-                c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            elif statement == "drop" and exists:
-                c.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-    admin("create")
-    try:
-        call_command("migrate", verbosity=0)
-    except Exception as exc:
-        print(f"migrate failed ({exc!r}); recreating {name}", flush=True)
-        connection.close()
-        admin("drop")
-        admin("create")
-        call_command("migrate", verbosity=0)
+    database = sql.Identifier(name)
+    with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(database))
+        try:
+            call_command("migrate", verbosity=0)
+        except Exception as exc:
+            print(f"migrate failed ({exc!r}); recreating {name}", flush=True)
+            connection.close()
+            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(database))
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(database))
+            call_command("migrate", verbosity=0)
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(project_tables())} RESTART IDENTITY CASCADE")
 
@@ -213,6 +207,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    with suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
 def until(predicate: Callable, timeout: float, what: str, tick: float = 0.02):
     deadline = time.monotonic() + timeout
     while not (found := predicate()):
@@ -257,13 +257,12 @@ class Processes:
             "daphne", python, "-m", "gradient.serve", "-b", "127.0.0.1", "-p", str(self.port)
         )
 
-        def listening():
+        def up():
             if proc.poll() is not None:
                 raise RuntimeError(f"daphne exited with {proc.returncode}")
-            with suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return True
+            return listening(self.port)
 
-        until(listening, 30.0, f"daphne listening on {self.port}")
+        until(up, 30.0, f"daphne listening on {self.port}")
         return proc
 
     def celery(self) -> None:
@@ -295,8 +294,7 @@ class Processes:
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                self.kill(proc)
             log.close()
 
     def groups(self) -> dict[str, list[int]]:
@@ -308,8 +306,10 @@ class Processes:
 
     def problems(self) -> tuple[list[str], int]:
         """Crash lines and tracebacks; read before stop(), which may kill a task mid-way."""
-        logs = [self.log_text("daphne"), self.log_text("celery-worker")]
-        return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+        lines = f"{self.log_text('daphne')}\n{self.log_text('celery-worker')}".splitlines()
+        crashes = ("Exception inside application", "raised unexpected")
+        crashed = [line for line in lines if any(c in line for c in crashes)]
+        return crashed, sum(line.startswith("Traceback") for line in lines)
 
 
 @contextmanager
@@ -327,19 +327,6 @@ def stack(name: str, celery: bool = True, logs: Path | None = None, **settings) 
         procs.stop()
         flush_redis()
         print(f"logs in {procs.logs}", flush=True)
-
-
-def crashes(log: str) -> list[str]:
-    """An exception escaping a consumer (daphne) or a task (Celery)."""
-    return [
-        line
-        for line in log.splitlines()
-        if "Exception inside application" in line or "raised unexpected" in line
-    ]
-
-
-def tracebacks(log: str) -> int:
-    return sum(line.startswith("Traceback") for line in log.splitlines())
 
 
 def crash_fact(crashes: int, tracebacks: int | None = None, celery: bool = True) -> str:
@@ -535,35 +522,19 @@ def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 
     clusters = ClusterJob.objects.bulk_create(
         (ClusterJob(**fields) for fields, _ in shapes), batch_size=batch_size
     )
-    made = [
-        (c, role, Evaluation(project=c.project, **job), extra)
-        if kind == "eval"
-        else (
-            c,
-            role,
-            DerivationBuild(project=c.project, **{"status": BuildStatus.QUEUED, **job}),
-            extra,
-        )
-        for c, (_, members) in zip(clusters, shapes, strict=True)
-        for role, kind, job, extra in members
-    ]
-    jobs = [job for _, _, job, _ in made]
-    Evaluation.objects.bulk_create([j for j in jobs if isinstance(j, Evaluation)], batch_size)
-    DerivationBuild.objects.bulk_create(
-        [j for j in jobs if isinstance(j, DerivationBuild)], batch_size
-    )
-    ClusterMember.objects.bulk_create(
-        (
-            ClusterMember(
-                cluster_job=c,
-                role=role,
-                **extra,
-                **{"evaluation" if isinstance(job, Evaluation) else "derivation_build": job},
-            )
-            for c, role, job, extra in made
-        ),
-        batch_size=batch_size,
-    )
+    kinds = {
+        "eval": (Evaluation, "evaluation", {}),
+        "build": (DerivationBuild, "derivation_build", {"status": BuildStatus.QUEUED}),
+    }
+    jobs, members = [], []
+    for c, (_, rows) in zip(clusters, shapes, strict=True):
+        for role, kind, job, extra in rows:
+            model, field, default = kinds[kind]
+            jobs.append(model(project=c.project, **{**default, **job}))
+            members.append(ClusterMember(cluster_job=c, role=role, **extra, **{field: jobs[-1]}))
+    for model in (Evaluation, DerivationBuild):
+        model.objects.bulk_create([j for j in jobs if isinstance(j, model)], batch_size)
+    ClusterMember.objects.bulk_create(members, batch_size=batch_size)
     return clusters, jobs
 
 

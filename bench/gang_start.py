@@ -59,7 +59,7 @@ class Stack:
         self.tmp = tmp
         self.procs = common.Processes(common.process_env(), tmp / "logs")
         redis = self.procs.start("redis", "redis-server", "--port", str(redis_port), "--save", "")
-        common.until(lambda: redis.poll() is None and listening(redis_port), 30.0, "Redis")
+        common.until(lambda: redis.poll() is None and common.listening(redis_port), 30.0, "Redis")
         Project.objects.create(name=PROJECT)
         self.names = [f"agent-{i}" for i in range(AGENTS)]
         common.make_workers(self.names)
@@ -103,14 +103,6 @@ class Stack:
         """Every agent's JSON log lines."""
         lines = (line for name in self.names for line in self.procs.log_text(name).splitlines())
         return [json.loads(line) for line in lines if line.startswith("{")]
-
-
-def listening(port: int) -> bool:
-    import socket
-
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-        return True
-    return False
 
 
 def measured(stack: Stack, wait) -> dict:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,9 +34,7 @@ SINGLES, CLUSTERS = "tp-singles", "tp-clusters"
 
 
 class Tally:
-    """Starts and other events counted per kind, with the time of each start, across every
-    worker of the fleet (one event loop: no lock needed for the workers; the feeder only
-    reads)."""
+    """The fleet's starts (their times) and events, counted on its one event loop."""
 
     def __init__(self):
         self.starts: dict[str, list[float]] = {"member": [], "single": []}
@@ -261,17 +259,12 @@ def pairs_per_start(r: dict) -> float:
     return r["scored"] / max(r["members"] + r["singles"], 1)
 
 
-def runs_by_size(results: list[dict]) -> dict[int, list[dict]]:
-    sizes: dict[int, list[dict]] = {}
-    for r in results:
-        sizes.setdefault(r["workers"], []).append(r)
-    return dict(sorted(sizes.items()))
-
-
 def figures(results: list[dict]) -> list[common.Figure]:
     """Issue #18's targets, on each size's median over its runs: pairs per start at every
     size, member starts at 500 workers, and at 1,000 against 100."""
-    sizes = runs_by_size(results)
+    sizes = defaultdict(list)
+    for r in results:
+        sizes[r["workers"]].append(r)
     pairs = {size: [pairs_per_start(r) for r in runs] for size, runs in sizes.items()}
     starts = {size: [r["member_rate"] for r in runs] for size, runs in sizes.items()}
     worst = max(pairs, key=lambda size: statistics.median(pairs[size]))
