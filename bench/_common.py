@@ -335,18 +335,16 @@ def crash_fact(crashes: int, tracebacks: int | None = None, celery: bool = True)
     return text + ("." if tracebacks is None else f"; tracebacks of any kind there: {tracebacks}.")
 
 
-def raise_open_files(workers: int) -> int:
+def raise_open_files(workers: int) -> None:
     """A socket here and one in daphne (a child: it inherits the limit) per worker."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 2 * workers + 1024
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        raise SystemExit(f"open-file limit {hard} is too low for {workers} workers")
     if soft < wanted:
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    if soft < wanted:
-        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
-    return soft
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def in_memory_layer() -> None:

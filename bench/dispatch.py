@@ -65,19 +65,14 @@ def populate(clusters: int, workers: int, history: int = 0) -> int:
         evals = [("server", "eval", {"prioritized": i % 20 == 0 and n == 0}, {}) for n in range(2)]
         evals[0][3]["pin"] = pin
         builds = [
-            (
-                "client",
-                "build",
-                {
-                    "architecture": "aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
-                    "required_features": ["kvm"] if i % 10 == 4 and n == 1 else [],
-                    "cache_available": rng.random() < 0.1,
-                },
-                {},
-            )
+            {
+                "architecture": "aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
+                "required_features": ["kvm"] if i % 10 == 4 and n == 1 else [],
+                "cache_available": rng.random() < 0.1,
+            }
             for n in range(2)
         ]
-        return cluster, evals + builds
+        return cluster, evals + [("client", "build", job, {}) for job in builds]
 
     common.make_clusters(shape(i) for i in range(clusters))
     if history:

@@ -1,14 +1,8 @@
-"""Gang start on real agents, a deep queue of clusters, a connected fleet's idle cost, and the
-agent's own member start.
-
-Parts (--only, comma-separated): idle (8 agents, then --simulated reference workers), start
-(clusters of 2, 3, 4 onto idle agents), sustained (each --queued depth of clusters of 3), all
-three written as `bench/run gang-start-agents`; agent (clusters of 2, 4, 8), written as
-`bench/run agent`. --profile PY_SPY (with --only sustained) logs every statement of the bench
+"""Gang start on real agents, a deep cluster queue and a connected fleet's idle cost (parts idle,
+start, sustained: `bench/run gang-start-agents`), and the agent's own member start (part agent:
+`bench/run agent`). --profile PY_SPY (with --only sustained) logs every statement of the bench
 database and records py-spy on daphne and Celery, and prints what it found; the figures then
-carry that overhead. The methods are in docs/benchmarks.md, "Gang start on agents and a deep
-cluster queue" and "Worker agent: member start".
-"""
+carry that overhead. The methods are in docs/benchmarks.md."""
 
 import contextlib
 import json
