@@ -170,10 +170,6 @@ def run_one(depth: int, args) -> dict:
     return result
 
 
-def score_limit(workers: int) -> int:
-    return workers * 2 * OFFER_WINDOW
-
-
 HEADER = (
     "builds queued (N) | builds completed/s | job_score rows: max / median"
     " | queue held: min / max | jobs failed / abandoned"
@@ -223,7 +219,7 @@ def figures(results: list[dict], workers: int) -> list[common.Figure]:
             )
         )
     most = max(max(r["scores"]) for r in results)
-    limit = score_limit(workers)
+    limit = workers * 2 * OFFER_WINDOW
     target = f"≤ {limit:,} ({workers} workers x 2 x {OFFER_WINDOW})"
     out.append(
         common.Figure("deep queue: job_score rows, the most", target, f"{most:,}", most <= limit)
