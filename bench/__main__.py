@@ -1,20 +1,10 @@
-"""Runs the benchmarks one after another, each writing its section of docs/benchmarks.md.
+"""Runs the benchmarks one after another (default: all, in BENCHES' order), each as its own
+process writing its section of docs/benchmarks.md; a failing one is reported and the rest still
+run. The figures move with the load average, which each section records.
 
-    bench/run [--doc docs/benchmarks.md] [--dry-run] [NAME ...]
-
-NAME is any of: claim, dispatch-pass, gang-start, gang-start-agents, throughput, queue-depth,
-placement, storm, retention, history, health, session, agent (default: all, in that order). Each
-runs as its own process (`.venv/bin/python bench/<script>.py ... --write DOC`), with the command
-that its section then quotes; a failing one is reported and the rest still run. Exits non-zero
-when any failed. The machine should be quiet: the figures move with the load average, which each
-section records.
-
-A new benchmark is a script here and a NAME in BENCHES. It takes `_common.parser()`'s
-arguments, calls `_common.start(args)`, builds its fleet and stack with `_common`'s helpers
-and ends with `_common.finish(args, NAME, TITLE, tables, facts, figures)`: that writes the
-tables and the run's facts between its markers in docs/benchmarks.md (or appends a section
-TITLE with them) and its figures with targets as its rows of the summary. Its method is
-written in the doc, below its figures, by hand.
+A new benchmark is a script here and a NAME in BENCHES: it takes `_common.parser()`'s
+arguments, calls `_common.start(args)` and ends with `_common.finish(...)`, which writes its
+figures block and summary rows. Its method is written in the doc, below its figures, by hand.
 """
 
 import argparse

@@ -1,10 +1,6 @@
-"""What the benchmark scripts share: the bench database, the stack (daphne, Celery) and fleets,
-the one percentile, and their figures' blocks in docs/benchmarks.md.
-
-A script parses its arguments with `parser()` and calls `start(args)` before importing
-anything of the project, since Django reads DATABASE_URL once, at set-up. Its method is prose
-in docs/benchmarks.md; the script writes only its figures block and its summary rows there.
-"""
+"""What the benchmark scripts share: set-up, the stack, fleets, the one percentile and their
+figures' blocks in docs/benchmarks.md. Call start(args) before importing the project: Django
+reads DATABASE_URL once, at set-up."""
 
 import argparse
 import math
@@ -45,8 +41,7 @@ OPTIONS = {
 
 
 def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9, **defaults):
-    """The arguments every script takes (its database, its Redis database, --write DOC), and
-    those of OPTIONS it names, with their defaults."""
+    """Every script's arguments, and those of OPTIONS it names, with their defaults."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--database", default=database, help="emptied by the run")
     p.add_argument("--redis-db", type=int, default=redis_db, help="flushed by the run")
@@ -58,8 +53,7 @@ def parser(doc: str, database: str = DEFAULT_DATABASE_URL, redis_db: int = 9, **
 
 
 def start(args) -> None:
-    """Point Django at the script's database (never at an ambient DATABASE_URL) and Redis
-    database (metrics, wake-ups), and set it up; print the command its figures quote."""
+    """Django set up on the script's database and Redis database, never ambient ones."""
     global LOAD_AT_START
     LOAD_AT_START = load()
     print(command(), flush=True)
@@ -80,50 +74,41 @@ def command() -> str:
 
 
 def ensure_database() -> None:
-    """Create the bench database when missing and migrate it; a database whose migrations no
-    longer apply (they changed since it was made) is dropped and made afresh. Then empty it."""
+    """The bench database made, migrated (afresh when its migrations changed) and emptied."""
     import psycopg
     from django.core.management import call_command
     from django.db import connection
     from psycopg import sql
 
     name = connection.settings_dict["NAME"]
-
-    def admin(statement):
-        with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as c:
-            exists = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
-            if statement == "create" and not exists:
-                c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            elif statement == "drop" and exists:
-                c.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-    admin("create")
-    try:
-        call_command("migrate", verbosity=0)
-    except Exception as exc:
-        print(f"migrate failed ({exc!r}); recreating {name}", flush=True)
-        connection.close()
-        admin("drop")
-        admin("create")
-        call_command("migrate", verbosity=0)
+    database = sql.Identifier(name)
+    with psycopg.connect(os.environ["DATABASE_URL"], dbname="postgres", autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(database))
+        try:
+            call_command("migrate", verbosity=0)
+        except Exception as exc:
+            print(f"migrate failed ({exc!r}); recreating {name}", flush=True)
+            connection.close()
+            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(database))
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(database))
+            call_command("migrate", verbosity=0)
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(project_tables())} RESTART IDENTITY CASCADE")
 
 
 def project_tables() -> list[str]:
-    """Every table of the project's own apps (models and many-to-many tables)."""
     from django.apps import apps
 
-    tables = set()
-    for label in ("jobs", "workers", "clusters"):
-        for model in apps.get_app_config(label).get_models(include_auto_created=True):
-            tables.add(model._meta.db_table)
-    return sorted(tables)
+    labels = ("jobs", "workers", "clusters")
+    models = (
+        m for a in labels for m in apps.get_app_config(a).get_models(include_auto_created=True)
+    )
+    return sorted({model._meta.db_table for model in models})
 
 
 def analyze(vacuum: bool = False) -> None:
-    """Statistics, as autovacuum keeps them on a database in use: one emptied moments ago
-    has row estimates of 1, and PostgreSQL plans the hot statements as for empty tables."""
+    """Statistics as autovacuum keeps them: an emptied database is planned as for empty tables."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -131,7 +116,6 @@ def analyze(vacuum: bool = False) -> None:
 
 
 def warm_up(secs: float) -> None:
-    """A warm-up of `secs`, with statistics taken at its start and middle."""
     analyze()
     time.sleep(secs / 2)
     analyze()
@@ -139,7 +123,6 @@ def warm_up(secs: float) -> None:
 
 
 def backend_pid() -> int:
-    """This process's PostgreSQL backend: the bench's own, left out of the stack's CPU."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -148,23 +131,20 @@ def backend_pid() -> int:
 
 
 def count_by(rows, field: str) -> dict:
-    """How many of a queryset's rows hold each value of `field`."""
     from django.db.models import Count
 
     return dict(rows.values_list(field).annotate(n=Count("pk")))
 
 
 def connected(prefix: str = "") -> int:
-    """How many workers (named PREFIX...) a session holds."""
     from workers.models import Worker
 
     return Worker.objects.filter(channel_name__isnull=False, name__startswith=prefix).count()
 
 
 def settle(below: float, most_secs: float = 300.0) -> None:
-    """Before a run that is compared with another: a CHECKPOINT, so that the last run's dirty
-    pages are not written during this one, then a wait (at most `most_secs`) until the 1-minute
-    load average is below `below` (0: no wait)."""
+    """A CHECKPOINT (no dirty pages of the last run written in this one), then a wait for a
+    load average below `below`."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -176,7 +156,6 @@ def settle(below: float, most_secs: float = 300.0) -> None:
 
 
 def load() -> str:
-    """The 1-minute load average: the machine is shared, and figures move with it."""
     return f"{os.getloadavg()[0]:.1f}"
 
 
@@ -190,13 +169,13 @@ def machine() -> str:
     with connection.cursor() as cursor:
         cursor.execute("SHOW server_version")
         pg = cursor.fetchone()[0]
-    # How fast this shared host runs Python right now: the best of three runs of a fixed loop.
+    # How fast this shared host runs Python right now.
     loop = min(timeit.repeat("sum(range(10_000_000))", number=1, repeat=3))
     return f"{os.cpu_count()} cores (reference loop {loop:.2f} s), PostgreSQL {pg.split()[0]}"
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
-    """Sizes as the scripts take them: "100x500,1000x5000" -> [(100, 500), (1000, 5000)]."""
+    """ "100x500,1000x5000" -> [(100, 500), (1000, 5000)]"""
     return [tuple(int(n) for n in point.split("x")) for point in text.split(",")]
 
 
@@ -208,8 +187,6 @@ def parse_ints(text: str) -> list[int]:
 
 
 def process_env(**extra) -> dict:
-    """The environment of a daphne or Celery process: the bench database and Redis database
-    that setup() chose."""
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "gradient.settings",
@@ -230,8 +207,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    with suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
 def until(predicate: Callable, timeout: float, what: str, tick: float = 0.02):
-    """Poll `predicate` until it returns something true, which is returned."""
     deadline = time.monotonic() + timeout
     while not (found := predicate()):
         if time.monotonic() > deadline:
@@ -241,8 +223,7 @@ def until(predicate: Callable, timeout: float, what: str, tick: float = 0.02):
 
 
 class Processes:
-    """daphne and Celery as subprocesses of the script (each in its own session, so a kill
-    reaches its children), with their logs in one directory. stop() ends every one."""
+    """The stack's processes, each in its own session (a kill reaches its children)."""
 
     def __init__(self, env: dict, logs: Path):
         self.env, self.logs = env, logs
@@ -253,7 +234,6 @@ class Processes:
         logs.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """Start `args` as NAME, in the processes' environment unless `env` is given."""
         log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
             args,
@@ -268,27 +248,24 @@ class Processes:
         return proc
 
     def pids(self, *names: str) -> list[int]:
-        """The processes started under these names (a meter's group)."""
         return [proc.pid for proc, _ in self.procs if self.names[proc.pid] in names]
 
     def daphne(self) -> subprocess.Popen:
-        """The README's command: a daphne per core on one socket (gradient.serve)."""
+        """The README's command: a daphne per core on one socket."""
         python = str(VENV_BIN / "python")
         proc = self.start(
             "daphne", python, "-m", "gradient.serve", "-b", "127.0.0.1", "-p", str(self.port)
         )
 
-        def listening():
+        def up():
             if proc.poll() is not None:
                 raise RuntimeError(f"daphne exited with {proc.returncode}")
-            with suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return True
+            return listening(self.port)
 
-        until(listening, 30.0, f"daphne listening on {self.port}")
+        until(up, 30.0, f"daphne listening on {self.port}")
         return proc
 
     def celery(self) -> None:
-        """A Celery worker (-c 2) and beat: the passes, on their schedule and on wake-ups."""
         celery = str(VENV_BIN / "celery")
         name = f"bench-{os.getpid()}@%h"
         self.start(
@@ -317,12 +294,10 @@ class Processes:
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                self.kill(proc)
             log.close()
 
     def groups(self) -> dict[str, list[int]]:
-        """The stack's processes, as a CpuMeter groups them."""
         return {"daphne": self.pids("daphne"), "celery": self.pids("celery-worker", "celery-beat")}
 
     def log_text(self, name: str) -> str:
@@ -330,17 +305,16 @@ class Processes:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def problems(self) -> tuple[list[str], int]:
-        """daphne's and the Celery worker's crash lines, and their tracebacks of any kind. Read
-        before stop(): a pool process killed mid-task at shutdown logs a traceback."""
-        logs = [self.log_text("daphne"), self.log_text("celery-worker")]
-        return [line for log in logs for line in crashes(log)], sum(map(tracebacks, logs))
+        """Crash lines and tracebacks; read before stop(), which may kill a task mid-way."""
+        lines = f"{self.log_text('daphne')}\n{self.log_text('celery-worker')}".splitlines()
+        crashes = ("Exception inside application", "raised unexpected")
+        crashed = [line for line in lines if any(c in line for c in crashes)]
+        return crashed, sum(line.startswith("Traceback") for line in lines)
 
 
 @contextmanager
 def stack(name: str, celery: bool = True, logs: Path | None = None, **settings) -> Iterator:
-    """The server as it runs in production, on the bench database and an emptied Redis
-    database: daphne and, with `celery`, a Celery worker and beat, with `settings` in their
-    environment. Yields the Processes (its `url` the workers' endpoint); stops them all."""
+    """daphne and, with `celery`, Celery as in production, with `settings` in their env."""
     env = process_env(**settings)
     flush_redis()
     procs = Processes(env, logs or Path(tempfile.mkdtemp(prefix=f"bench-{name}-")))
@@ -355,45 +329,26 @@ def stack(name: str, celery: bool = True, logs: Path | None = None, **settings) 
         print(f"logs in {procs.logs}", flush=True)
 
 
-def crashes(log: str) -> list[str]:
-    """Lines of a log that show an exception escaping a consumer (daphne) or a task (Celery)."""
-    return [
-        line
-        for line in log.splitlines()
-        if "Exception inside application" in line or "raised unexpected" in line
-    ]
-
-
-def tracebacks(log: str) -> int:
-    """Tracebacks of any kind, crashes or warnings logged with their exception."""
-    return sum(line.startswith("Traceback") for line in log.splitlines())
-
-
 def crash_fact(crashes: int, tracebacks: int | None = None, celery: bool = True) -> str:
-    """The figures block's line on the logs of the stack."""
     where = "daphne's log" + (", `raised unexpected` in Celery's" if celery else "")
     text = f"Consumers or tasks that crashed (`Exception inside application` in {where}): {crashes}"
     return text + ("." if tracebacks is None else f"; tracebacks of any kind there: {tracebacks}.")
 
 
-def raise_open_files(workers: int) -> int:
-    """Each worker of an in-process fleet holds a socket here and one in daphne (a child: it
-    inherits the limit)."""
+def raise_open_files(workers: int) -> None:
+    """A socket here and one in daphne (a child: it inherits the limit) per worker."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 2 * workers + 1024
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        raise SystemExit(f"open-file limit {hard} is too low for {workers} workers")
     if soft < wanted:
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    if soft < wanted:
-        raise SystemExit(f"open-file limit {soft} is too low for {workers} workers")
-    return soft
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def in_memory_layer() -> None:
-    """For benches without sessions: Channels' in-memory layer (nothing listens on the workers'
-    groups) and no log line per claim."""
+    """For benches without sessions: nothing listens on the workers' groups."""
     import logging
 
     from channels.layers import channel_layers
@@ -408,7 +363,7 @@ def in_memory_layer() -> None:
 
 
 def cpu_secs(pid: int, children: bool = True) -> float:
-    """User + system CPU seconds of a process and its live descendants (Celery's pool)."""
+    """CPU seconds of a process and its live descendants (Celery's pool)."""
     total = 0.0
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -422,11 +377,8 @@ def cpu_secs(pid: int, children: bool = True) -> float:
 
 
 class CpuMeter:
-    """CPU seconds spent by each part of the stack between start() and stop(), from /proc:
-    each named group of processes (with their descendants), this process alone under
-    `this_process` (daphne and Celery are its children), and the PostgreSQL backends serving
-    the bench database as "postgres". A backend that closed before stop() counts up to the
-    last observe() that saw it. The three query the database (the asking backend is left out)."""
+    """CPU seconds between start() and stop() of each group, this process alone (its children
+    are the stack) and the bench database's backends as "postgres", to their last observe()."""
 
     def __init__(
         self,
@@ -479,8 +431,7 @@ class CpuMeter:
 
 
 class Feeder:
-    """Keeps a queue topped up from a thread: top_up() every `tick` seconds until `stop` is
-    set. An exception ends it and is kept in `error`, for the caller to raise."""
+    """top_up() every `tick` seconds from a thread until `stop`; `error` for the caller."""
 
     def __init__(self, tick: float = 0.25):
         self.tick = tick
@@ -506,7 +457,7 @@ class Feeder:
 
 
 def closing(fn: Callable) -> Callable:
-    """fn, then the calling thread's database connection closed: for asyncio.to_thread."""
+    """fn, then its thread's connection closed: for asyncio.to_thread."""
 
     def run():
         from django.db import connection
@@ -523,7 +474,6 @@ def closing(fn: Callable) -> Callable:
 
 
 def token(name: str) -> str:
-    """A bench worker's token: known from its name, so a fleet can connect as it."""
     return f"token-{name}"
 
 
@@ -534,10 +484,8 @@ def make_workers(
     each: Callable[[int], dict] | None = None,
     **fields,
 ) -> list:
-    """Worker rows named `names` (token(name) their token), with `fields` and `each(i)`'s for
-    the i-th. `project`, a Project or a function of i giving one or None, restricts a row to
-    that project. `connected`: as if a session held each (a channel name, seen now), for
-    benches that call the server's functions without sessions."""
+    """Worker rows with `fields` and each(i)'s; `project` (or project(i)) the one they take;
+    `connected`: as if a session held each."""
     from django.utils import timezone
 
     from workers.models import Worker, hash_token
@@ -564,9 +512,7 @@ def make_workers(
 
 
 def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 5000):
-    """Clusters in bulk, from (the cluster's fields, its members) pairs, a member being
-    (role, kind, its job's fields, its own fields) with kind "eval" or "build", its job in the
-    cluster's project. Returns the clusters and every member's job, in order."""
+    """From (fields, [(role, "eval" or "build", job fields, member fields)]): clusters, jobs."""
     from clusters.models import ClusterJob, ClusterMember
     from gradient.jobs.models import BuildStatus, DerivationBuild, Evaluation
 
@@ -574,35 +520,19 @@ def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 
     clusters = ClusterJob.objects.bulk_create(
         (ClusterJob(**fields) for fields, _ in shapes), batch_size=batch_size
     )
-    made = [
-        (c, role, Evaluation(project=c.project, **job), extra)
-        if kind == "eval"
-        else (
-            c,
-            role,
-            DerivationBuild(project=c.project, **{"status": BuildStatus.QUEUED, **job}),
-            extra,
-        )
-        for c, (_, members) in zip(clusters, shapes, strict=True)
-        for role, kind, job, extra in members
-    ]
-    jobs = [job for _, _, job, _ in made]
-    Evaluation.objects.bulk_create([j for j in jobs if isinstance(j, Evaluation)], batch_size)
-    DerivationBuild.objects.bulk_create(
-        [j for j in jobs if isinstance(j, DerivationBuild)], batch_size
-    )
-    ClusterMember.objects.bulk_create(
-        (
-            ClusterMember(
-                cluster_job=c,
-                role=role,
-                **extra,
-                **{"evaluation" if isinstance(job, Evaluation) else "derivation_build": job},
-            )
-            for c, role, job, extra in made
-        ),
-        batch_size=batch_size,
-    )
+    kinds = {
+        "eval": (Evaluation, "evaluation", {}),
+        "build": (DerivationBuild, "derivation_build", {"status": BuildStatus.QUEUED}),
+    }
+    jobs, members = [], []
+    for c, (_, rows) in zip(clusters, shapes, strict=True):
+        for role, kind, job, extra in rows:
+            model, field, default = kinds[kind]
+            jobs.append(model(project=c.project, **{**default, **job}))
+            members.append(ClusterMember(cluster_job=c, role=role, **extra, **{field: jobs[-1]}))
+    for model in (Evaluation, DerivationBuild):
+        model.objects.bulk_create([j for j in jobs if isinstance(j, model)], batch_size)
+    ClusterMember.objects.bulk_create(members, batch_size=batch_size)
     return clusters, jobs
 
 
@@ -610,8 +540,7 @@ def make_clusters(shapes: Iterable[tuple[dict, list[tuple]]], batch_size: int = 
 
 
 def percentile(xs: Iterable[float], p: float) -> float:
-    """The p-th percentile (0..100) of xs, linear between the closest ranks (statistics'
-    "inclusive" method, numpy's default): every benchmark's tails, so that they compare."""
+    """Linear between the closest ranks (numpy's default): every benchmark's, so tails compare."""
     xs = sorted(xs)
     at = (len(xs) - 1) * p / 100
     low = math.floor(at)
@@ -620,14 +549,12 @@ def percentile(xs: Iterable[float], p: float) -> float:
 
 
 def median_p(xs: Iterable[float], p: float) -> tuple[float, float] | None:
-    """(median, p-th percentile), None for none."""
     xs = list(xs)
     return (percentile(xs, 50), percentile(xs, p)) if xs else None
 
 
 def median_text(values: list[float], digits: int = 1) -> str:
-    """A figure's median over a benchmark's runs, with the runs' range when there are several:
-    one run moves enough from the next that a target is judged on the median."""
+    """The median of the runs, with their range: a target is judged on the median."""
     mid = statistics.median(values)
     if len(values) == 1:
         return f"{mid:.{digits}f}"
@@ -636,8 +563,6 @@ def median_text(values: list[float], digits: int = 1) -> str:
 
 
 def table(header: str, rows: list[list], align: str = "---:") -> str:
-    """A markdown table under `header`'s " | "-separated cells, its columns right-aligned
-    (figures) unless `align` says otherwise."""
     header = header.split(" | ")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -646,12 +571,15 @@ def table(header: str, rows: list[list], align: str = "---:") -> str:
 
 @dataclass(frozen=True)
 class Figure:
-    """One row of the summary: a figure with a target."""
-
     figure: str
     target: str
     result: str
     met: bool | None  # None: not measured (its result says so)
+
+
+def below(figure: str, limit: float, value: float, unit: str = "ms", note: str = "") -> Figure:
+    """A figure whose target is a limit it must stay under."""
+    return Figure(figure, f"< {limit:.0f} {unit}", f"{value:.1f} {unit}{note}", value < limit)
 
 
 # docs/benchmarks.md: each benchmark's figures sit between these markers in its section, the
@@ -673,9 +601,8 @@ def finish(
     load: str | None = None,
     crashed: bool = False,
 ) -> None:
-    """A script's end: its tables printed; with --write, its figures block (the tables, then
-    `facts` and the run's command, date, machine and `load`) and its summary rows (`figures`)
-    written under its `bench/run` name; exit status 1 if something crashed."""
+    """Tables printed; with --write, its block (tables, facts, command, date, machine, load)
+    and summary rows written; exit status 1 if something crashed."""
     print(tables, flush=True)
     if args.write:
         facts = [
@@ -697,8 +624,7 @@ def bullets(items: Iterable[str]) -> str:
 
 
 def write(path: Path, bench: str, title: str, block: str, figures: list[Figure]) -> None:
-    """Replace the benchmark's figures block, or append its section (a title and the block)
-    to the file; and replace its rows of the summary by `figures` (every other row kept)."""
+    """The benchmark's block replaced (or its section appended), and its summary rows."""
     text = (
         path.read_text() if path.exists() else f"# Benchmarks\n\n## Summary\n\n{SUMMARY}\n{END}\n"
     )

@@ -29,8 +29,7 @@ GANG_TARGET_MS = 100.0
 
 
 def populate(clusters: int, workers: int, history: int = 0) -> int:
-    """Projects, workers (idle slots come with each pass), clusters and scores, in bulk; and
-    `history` finished clusters behind the ready ones."""
+    """Projects, workers, clusters and scores in bulk, `history` finished clusters behind."""
     from django.db import connection
     from django.utils import timezone
 
@@ -66,19 +65,14 @@ def populate(clusters: int, workers: int, history: int = 0) -> int:
         evals = [("server", "eval", {"prioritized": i % 20 == 0 and n == 0}, {}) for n in range(2)]
         evals[0][3]["pin"] = pin
         builds = [
-            (
-                "client",
-                "build",
-                {
-                    "architecture": "aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
-                    "required_features": ["kvm"] if i % 10 == 4 and n == 1 else [],
-                    "cache_available": rng.random() < 0.1,
-                },
-                {},
-            )
+            {
+                "architecture": "aarch64-linux" if i % 20 == 11 and n == 0 else "x86_64-linux",
+                "required_features": ["kvm"] if i % 10 == 4 and n == 1 else [],
+                "cache_available": rng.random() < 0.1,
+            }
             for n in range(2)
         ]
-        return cluster, evals + builds
+        return cluster, evals + [("client", "build", job, {}) for job in builds]
 
     common.make_clusters(shape(i) for i in range(clusters))
     if history:
@@ -112,8 +106,7 @@ def populate(clusters: int, workers: int, history: int = 0) -> int:
 
 
 def keep_history(project, count: int) -> None:
-    """`count` finished clusters as a server keeps them until retention: Completed, their
-    attempt Succeeded, their four jobs Completed."""
+    """`count` finished clusters as a server keeps them until retention."""
     from django.utils import timezone
 
     from clusters.models import ClusterAttempt
@@ -179,8 +172,7 @@ def time_pass() -> dict:
 
 
 def time_target() -> float:
-    """A reservation's target for the book's first cluster, as an overdue one gets it: over
-    every connected worker, busy or idle."""
+    """A reservation's target for the book's first cluster, as an overdue one gets it."""
     from django.utils import timezone
 
     from clusters.book import startable_clusters
@@ -262,8 +254,7 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[tuple[int, f
     from workers.simulator import EventLog, SimulatedWorker, WorkerConfig
 
     class LastWorker(SimulatedWorker):
-        """Its RequestJobs wait behind a gate, so the server sees it busy (no idle slot)
-        until free() sends them: the seat that completes a placement."""
+        """The seat that completes a placement: busy to the server until free()."""
 
         gated, pending = True, []
 
@@ -318,7 +309,6 @@ async def gang_trials(url: str, trials: int, log_dir: Path) -> list[tuple[int, f
         ] * (k - evals)
 
     def seats_idle(k) -> bool:
-        """Every ungated worker of the group holds a fresh idle slot of both kinds."""
         names = [w.name for w in groups[k][:-1]]
         fresh = timezone.now() - timedelta(seconds=10)
         idle = IdleSlot.objects.filter(worker__name__in=names, recorded_at__gte=fresh)
@@ -372,11 +362,9 @@ def bench_gang(args) -> None:
     with common.stack("gang", GRADIENT_CLUSTER_DISPATCH_INTERVAL_SECS=5) as procs:
         results = asyncio.run(gang_trials(procs.url, args.trials, procs.logs))
         crashed, _ = procs.problems()
-        passes = [
-            r["task_secs"] * 1000
-            for r in passes_in(procs.log_text("celery-worker"))
-            if r["claimed"]
-        ]
+        # The woken passes that claimed, as Celery logs their result and time.
+        found = PASS_LINE.finditer(procs.log_text("celery-worker"))
+        passes = [float(m[1]) * 1000 for m in found if ast.literal_eval(m[2])["claimed"]]
     rows = [
         [label, len(ms), f"{common.percentile(ms, 50):.1f}", f"{common.percentile(ms, 95):.1f}"]
         for label, ms in [
@@ -385,11 +373,8 @@ def bench_gang(args) -> None:
         ]
     ]
     median = common.percentile([ms for _, ms in results], 50)
-    figure = common.Figure(
-        "gang start: StartCluster at every member, median of all trials",
-        f"< {GANG_TARGET_MS:.0f} ms",
-        f"{median:.1f} ms",
-        median < GANG_TARGET_MS,
+    figure = common.below(
+        "gang start: StartCluster at every member, median of all trials", GANG_TARGET_MS, median
     )
     note = (
         f"The woken dispatch passes that claimed ({len(passes)}, Celery's own timing): median"
@@ -411,21 +396,11 @@ def bench_gang(args) -> None:
 PASS_LINE = re.compile(r"clusters\.dispatch\[[^\]]*\] succeeded in ([0-9.]+)s: (\{.*\})")
 
 
-def passes_in(log: str) -> list[dict]:
-    """Every dispatch pass in a Celery worker's log: its result, and the task's seconds."""
-    return [{**ast.literal_eval(m[2]), "task_secs": float(m[1])} for m in PASS_LINE.finditer(log)]
-
-
 def main() -> None:
     parser = common.parser(__doc__, redis_db=REDIS_DB)
     parser.add_argument("--grid", default="100x500,1000x5000,2000x5000", type=common.parse_grid)
     parser.add_argument("--repeat", type=int, default=5, help="timed passes per grid point")
-    parser.add_argument(
-        "--history",
-        type=int,
-        default=50_000,
-        help="finished clusters kept behind the first grid point, run again (0: none)",
-    )
+    parser.add_argument("--history", type=int, default=50_000, help="behind the first point")
     parser.add_argument("--trials", type=int, default=60, help="gang-start trials")
     parser.add_argument("--only", choices=("pass", "gang"))
     args = parser.parse_args()

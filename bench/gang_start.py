@@ -1,14 +1,8 @@
-"""Gang start on real agents, a deep queue of clusters, a connected fleet's idle cost, and the
-agent's own member start.
-
-Parts (--only, comma-separated): idle (8 agents, then --simulated reference workers), start
-(clusters of 2, 3, 4 onto idle agents), sustained (each --queued depth of clusters of 3), all
-three written as `bench/run gang-start-agents`; agent (clusters of 2, 4, 8), written as
-`bench/run agent`. --profile PY_SPY (with --only sustained) logs every statement of the bench
+"""Gang start on real agents, a deep cluster queue and a connected fleet's idle cost (parts idle,
+start, sustained: `bench/run gang-start-agents`), and the agent's own member start (part agent:
+`bench/run agent`). --profile PY_SPY (with --only sustained) logs every statement of the bench
 database and records py-spy on daphne and Celery, and prints what it found; the figures then
-carry that overhead. The methods are in docs/benchmarks.md, "Gang start on agents and a deep
-cluster queue" and "Worker agent: member start".
-"""
+carry that overhead. The methods are in docs/benchmarks.md."""
 
 import contextlib
 import json
@@ -33,6 +27,7 @@ from bench import _common as common
 REDIS_DB = 6
 DATABASE_URL = "postgres://postgres@127.0.0.1:5432/gradient_bench_gang"
 SECTION = "## Gang start on agents and a deep cluster queue"
+AGENT_SECTION = "## Worker agent: member start"
 AGENTS = 8
 SIZES = (2, 3, 4)
 AGENT_SIZES = (2, 4, 8)
@@ -58,7 +53,7 @@ class Stack:
         self.tmp = tmp
         self.procs = common.Processes(common.process_env(), tmp / "logs")
         redis = self.procs.start("redis", "redis-server", "--port", str(redis_port), "--save", "")
-        common.until(lambda: redis.poll() is None and listening(redis_port), 30.0, "Redis")
+        common.until(lambda: redis.poll() is None and common.listening(redis_port), 30.0, "Redis")
         Project.objects.create(name=PROJECT)
         self.names = [f"agent-{i}" for i in range(AGENTS)]
         common.make_workers(self.names)
@@ -102,14 +97,6 @@ class Stack:
         """Every agent's JSON log lines."""
         lines = (line for name in self.names for line in self.procs.log_text(name).splitlines())
         return [json.loads(line) for line in lines if line.startswith("{")]
-
-
-def listening(port: int) -> bool:
-    import socket
-
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-        return True
-    return False
 
 
 def measured(stack: Stack, wait) -> dict:
@@ -415,88 +402,78 @@ def print_profile(out: dict, tmp: Path) -> None:
                 print(f"  py-spy {name}:", *py_spy_top(path), sep="\n    ")
 
 
-START_HEADER = (
-    "members | clusters | commit to StartCluster at the last member, median ms | p95 ms"
-    " | commit to every member running, median ms | p95 ms"
+START_COLUMNS = (
+    ("commit to StartCluster at the last member, median ms", "start_cluster", 50),
+    ("p95 ms", "start_cluster", 95),
+    ("commit to every member running, median ms", "running", 50),
+    ("p95 ms", "running", 95),
+)
+AGENT_COLUMNS = (
+    ("StartCluster to running, median ms", "member", 50),
+    ("p95 ms", "member", 95),
+    ("slowest member, median ms", "slowest", 50),
+    ("spread first to last, median ms", "spread", 50),
+    ("p95 ms", "spread", 95),
+    ("submitted to last running, median ms", "submitted", 50),
 )
 
 
-def by_size(results: list[dict], sizes: tuple) -> dict[int, dict[str, list[float]]]:
-    """Per cluster size, in ms: from the commit to StartCluster at the last member and to every
+def by_size(trials: list[dict], k: int) -> dict[str, list[float]]:
+    """In ms, for clusters of k: from the commit to StartCluster at the last member and to every
     member running; every member's StartCluster to running, each cluster's slowest, its spread
     and its submission to its last member running."""
-    out = {}
-    for k in sizes:
-        ts = [t for t in results if t["k"] == k]
-        running = [[m["running"] for m in t["members"]] for t in ts]
-        starts = [[(m["running"] - m["received"]) * 1000 for m in t["members"]] for t in ts]
-        out[k] = {
-            "start_cluster": [
-                (max(m["received"] for m in t["members"]) - t["commit"]) * 1000 for t in ts
-            ],
-            "running": [(max(r) - t["commit"]) * 1000 for t, r in zip(ts, running, strict=True)],
-            "member": [ms for s in starts for ms in s],
-            "slowest": [max(s) for s in starts],
-            "spread": [(max(r) - min(r)) * 1000 for r in running],
-            "submitted": [
-                (max(r) - t["submitted"]) * 1000 for t, r in zip(ts, running, strict=True)
-            ],
-        }
-    return out
+    ts = [t for t in trials if t["k"] == k]
+    running = [[m["running"] * 1000 for m in t["members"]] for t in ts]
+    starts = [[(m["running"] - m["received"]) * 1000 for m in t["members"]] for t in ts]
+    last_received = [max(m["received"] for m in t["members"]) * 1000 for t in ts]
+    return {
+        "start_cluster": [at - t["commit"] * 1000 for t, at in zip(ts, last_received, strict=True)],
+        "running": [max(r) - t["commit"] * 1000 for t, r in zip(ts, running, strict=True)],
+        "member": [ms for s in starts for ms in s],
+        "slowest": [max(s) for s in starts],
+        "spread": [max(r) - min(r) for r in running],
+        "submitted": [max(r) - t["submitted"] * 1000 for t, r in zip(ts, running, strict=True)],
+    }
 
 
-def cells(x: dict, *keys: tuple[str, float]) -> list[str]:
-    """Each (key, p): the p-th percentile of x[key], in ms."""
-    return [f"{common.percentile(x[key], p):.1f}" for key, p in keys]
+def size_table(trials: list[dict], sizes: tuple, columns: tuple) -> tuple[str, dict]:
+    """The table of each size's percentiles, and each (key, p)'s worst (value, size)."""
+    per = {k: by_size(trials, k) for k in sizes}
+    got = {
+        k: {(key, p): common.percentile(x[key], p) for _, key, p in columns} for k, x in per.items()
+    }
+    rows = [[k, len(per[k]["running"]), *(f"{v:.1f}" for v in got[k].values())] for k in sizes]
+    header = " | ".join(["members | clusters", *(name for name, _, _ in columns)])
+    worst = {kp: max((got[k][kp], k) for k in sizes) for kp in got[sizes[0]]}
+    return common.table(header, rows), worst
 
 
-def start_rows(trials: list[dict]) -> list[list]:
-    keys = (("start_cluster", 50), ("start_cluster", 95), ("running", 50), ("running", 95))
-    return [[k, len(x["running"]), *cells(x, *keys)] for k, x in by_size(trials, SIZES).items()]
+def worst_figure(figure: str, limit: float, worst: tuple[float, int]) -> common.Figure:
+    return common.below(figure, limit, worst[0], note=f" ({worst[1]} members)")
 
 
-AGENT_HEADER = (
-    "members | clusters | StartCluster to running, median ms | p95 ms"
-    " | slowest member, median ms | spread first to last, median ms | p95 ms"
-    " | submitted to last running, median ms"
-)
-
-
-def agent_rows(trials: list[dict]) -> list[list]:
-    keys = (("member", 50), ("member", 95), ("slowest", 50), ("spread", 50), ("spread", 95))
-    keys += (("submitted", 50),)
+def start_figures(worst: dict) -> list[common.Figure]:
+    figure = "gang start on agents: commit to every member running, {} (worst of 2, 3, 4 members)"
     return [
-        [k, len(x["spread"]), *cells(x, *keys)] for k, x in by_size(trials, AGENT_SIZES).items()
+        worst_figure(figure.format("median"), START_MEDIAN_MS, worst["running", 50]),
+        worst_figure(figure.format("p95"), START_P95_MS, worst["running", 95]),
     ]
 
 
-def worst(trials: list[dict], sizes: tuple, key: str, p: float = 50) -> tuple[int, float]:
-    """The size whose `key` has the largest p-th percentile, and that percentile."""
-    got = {k: common.percentile(x[key], p) for k, x in by_size(trials, sizes).items()}
-    k = max(got, key=got.get)
-    return k, got[k]
-
-
-def agent_figures(trials: list[dict]) -> list[common.Figure]:
-    over = ", ".join(map(str, AGENT_SIZES))
-    (k1, spread), (k2, slowest) = (
-        worst(trials, AGENT_SIZES, "spread"),
-        worst(trials, AGENT_SIZES, "slowest"),
-    )
+def agent_figures(worst: dict) -> list[common.Figure]:
+    over = "worst of 2, 4, 8 members"
     return [
-        common.Figure(
+        worst_figure(
             f"agent: spread between a cluster's first and last member process start, median"
-            f" (worst of {over} members)",
-            f"< {SPREAD_TARGET_MS:.0f} ms",
-            f"{spread:.1f} ms ({k1} members)",
-            spread < SPREAD_TARGET_MS,
+            f" ({over})",
+            SPREAD_TARGET_MS,
+            worst["spread", 50],
         ),
-        common.Figure(
+        worst_figure(
             f"agent: every member's process running after its StartCluster, median of the"
-            f" slowest (worst of {over} members)",
-            f"< {AGENT_START_MS:.0f} ms",
-            f"{slowest:.1f} ms ({k2} members)",
-            slowest < AGENT_START_MS,
+            f" slowest ({over})",
+            AGENT_START_MS,
+            worst["slowest", 50],
         ),
     ]
 
@@ -517,74 +494,38 @@ def per_member(r: dict) -> dict[str, float]:
     return ms
 
 
-def sustained_rows(out: dict) -> list[list]:
+def sustained_rows(runs: list[dict]) -> list[list]:
     rows = []
-    for r in out["sustained"]:
-        ms = per_member(r)
-        cells = [f"{ms[k]:.1f}" for k in (*CONTROL, "agents", "control", "whole")]
+    for r in runs:
+        cells = [f"{per_member(r)[k]:.1f}" for k in (*CONTROL, "agents", "control", "whole")]
         rows.append([r["queued"], r["members"], f"{r['members'] / r['secs']:.1f}", *cells])
     return rows
 
 
-def figures(out: dict) -> list[common.Figure]:
-    found = []
-    if trials := out.get("trials"):
-        (k1, median), (k2, p95) = (
-            worst(trials, SIZES, "running"),
-            worst(trials, SIZES, "running", 95),
-        )
-        over = "worst of 2, 3, 4 members"
-        found += [
-            common.Figure(
-                f"gang start on agents: commit to every member running, median ({over})",
-                f"< {START_MEDIAN_MS:.0f} ms",
-                f"{median:.1f} ms ({k1} members)",
-                median < START_MEDIAN_MS,
-            ),
-            common.Figure(
-                f"gang start on agents: commit to every member running, p95 ({over})",
-                f"< {START_P95_MS:.0f} ms",
-                f"{p95:.1f} ms ({k2} members)",
-                p95 < START_P95_MS,
-            ),
-        ]
-    if runs := out.get("sustained"):
-        shallow = per_member(runs[0])
-        found += [
-            common.Figure(
-                f"deep cluster queue: control plane CPU per member start, {runs[0]['queued']}"
-                " clusters of 3 queued on 8 agents",
-                f"< {CONTROL_MS:.0f} ms",
-                f"{shallow['control']:.1f} ms",
-                shallow["control"] < CONTROL_MS,
-            ),
-            common.Figure(
-                "deep cluster queue: the whole system's CPU per member start, agents included",
-                f"< {WHOLE_MS:.0f} ms",
-                f"{shallow['whole']:.1f} ms",
-                shallow["whole"] < WHOLE_MS,
-            ),
-        ]
-        if len(runs) > 1:
-            deep = per_member(runs[-1])
-            ratio = deep["whole"] / shallow["whole"]
-            found.append(
-                common.Figure(
-                    f"deep cluster queue: CPU per member start at {runs[-1]['queued']} clusters"
-                    f" queued against {runs[0]['queued']}",
-                    f"within {FLAT_SHARE:.0%}",
-                    f"{deep['whole']:.1f} against {shallow['whole']:.1f} ms ({ratio:.2f}x)",
-                    abs(ratio - 1) <= FLAT_SHARE,
-                )
-            )
-    if r := out.get("idle"):
-        ms = sum(r["cpu"][k] for k in CONTROL) * 1000 / r["secs"]
+def sustained_figures(runs: list[dict]) -> list[common.Figure]:
+    shallow, deep = per_member(runs[0]), per_member(runs[-1])
+    found = [
+        common.below(
+            f"deep cluster queue: control plane CPU per member start, {runs[0]['queued']}"
+            " clusters of 3 queued on 8 agents",
+            CONTROL_MS,
+            shallow["control"],
+        ),
+        common.below(
+            "deep cluster queue: the whole system's CPU per member start, agents included",
+            WHOLE_MS,
+            shallow["whole"],
+        ),
+    ]
+    if len(runs) > 1:
+        ratio = deep["whole"] / shallow["whole"]
         found.append(
             common.Figure(
-                f"idle: control plane CPU with {AGENTS} connected idle agents",
-                f"< {IDLE_MS:.0f} ms/s",
-                f"{ms:.1f} ms/s",
-                ms < IDLE_MS,
+                f"deep cluster queue: CPU per member start at {runs[-1]['queued']} clusters"
+                f" queued against {runs[0]['queued']}",
+                f"within {FLAT_SHARE:.0%}",
+                f"{deep['whole']:.1f} against {shallow['whole']:.1f} ms ({ratio:.2f}x)",
+                abs(ratio - 1) <= FLAT_SHARE,
             )
         )
     return found
@@ -628,42 +569,35 @@ def main() -> None:
     common.start(args)
     common.raise_open_files(args.simulated)
     out = run(args)
-    crashes = [common.crash_fact(len(out["crashes"]), out["tracebacks"])]
+    crashes = common.crash_fact(len(out["crashes"]), out["tracebacks"])
     crashed = bool(out["crashes"])
     if "agent" in out:
+        table, worst = size_table(out["agent"], AGENT_SIZES, AGENT_COLUMNS)
         jobs = sum(t["k"] for t in out["agent"])
-        common.finish(
-            args,
-            "agent",
-            "## Worker agent: member start",
-            common.table(AGENT_HEADER, agent_rows(out["agent"])),
-            [
-                f"Agent CPU: {out['agent_cpu'] * 1000 / jobs:.1f} ms per job ({jobs} jobs).",
-                f"{crashes[0]} Agent log lines at level error: {out['agent_errors']}.",
-            ],
-            agent_figures(out["agent"]),
-            load=f"{out['load'][0]} at the start, {out['agent_load']} at the end",
-        )
+        facts = [
+            f"Agent CPU: {out['agent_cpu'] * 1000 / jobs:.1f} ms per job ({jobs} jobs).",
+            f"{crashes} Agent log lines at level error: {out['agent_errors']}.",
+        ]
+        load = f"{out['load'][0]} at the start, {out['agent_load']} at the end"
+        common.finish(args, "agent", AGENT_SECTION, table, facts, agent_figures(worst), load=load)
         crashed = crashed or bool(out["agent_errors"])
-    tables = [
-        common.table(header, rows())
-        for key, header, rows in (
-            ("trials", START_HEADER, lambda: start_rows(out["trials"])),
-            ("sustained", SUSTAINED_HEADER, lambda: sustained_rows(out)),
-            ("idle", IDLE_HEADER, lambda: idle_rows(out)),
-        )
-        if key in out
-    ]
+    tables, found = [], []
+    if "trials" in out:
+        table, worst = size_table(out["trials"], SIZES, START_COLUMNS)
+        tables.append(table)
+        found += start_figures(worst)
+    if "sustained" in out:
+        tables.append(common.table(SUSTAINED_HEADER, sustained_rows(out["sustained"])))
+        found += sustained_figures(out["sustained"])
+    if "idle" in out:
+        tables.append(common.table(IDLE_HEADER, idle_rows(out)))
+        ms = sum(out["idle"]["cpu"][k] for k in CONTROL) * 1000 / out["idle"]["secs"]
+        figure = f"idle: control plane CPU with {AGENTS} connected idle agents"
+        found.append(common.below(figure, IDLE_MS, ms, unit="ms/s"))
     if tables:
-        load = ", ".join(out["load"])
+        load = f"{', '.join(out['load'])}, at the start and after each depth"
         common.finish(
-            args,
-            "gang-start-agents",
-            SECTION,
-            "\n\n".join(tables),
-            crashes,
-            figures(out),
-            load=f"{load}, at the start and after each depth",
+            args, "gang-start-agents", SECTION, "\n\n".join(tables), [crashes], found, load=load
         )
     sys.exit(1 if crashed else 0)
 

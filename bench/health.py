@@ -81,27 +81,22 @@ async def serve(url: str, members, args) -> float:
 
 
 def tally(seconds: float) -> dict:
-    from django.db.models import Count, Sum
+    from django.db.models import Sum
 
     from clusters.models import ClusterAttempt, ClusterJob
     from gradient.jobs.models import DispatchedJob
     from workers.models import Worker
 
     clusters = ClusterJob.objects.count() or 1
-    by_status = dict(ClusterJob.objects.values_list("status").annotate(n=Count("pk")))
+    by_status = common.count_by(ClusterJob.objects, "status")
     started = ClusterJob.objects.aggregate(n=Sum("attempts"))["n"] or 0
-    blamed = dict(
-        DispatchedJob.objects.filter(blame__isnull=False)
-        .values_list("blame")
-        .annotate(n=Count("pk"))
-    )
     return {
         "completed": by_status.get("Completed", 0),
         "failed": by_status.get("Failed", 0),
         "unfinished": unfinished(),
         "attempts": ClusterAttempt.objects.count() / clusters,
         "started": started / clusters,
-        "blamed": blamed,
+        "blamed": common.count_by(DispatchedJob.objects.filter(blame__isnull=False), "blame"),
         "quarantined": Worker.objects.filter(quarantined_by__isnull=False).count(),
         "seconds": seconds,
     }

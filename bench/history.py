@@ -62,8 +62,8 @@ FROM m
 """
 
 
-def load_clusters(first: int, last: int) -> float:
-    """Add clusters first+1 .. last; the seconds it took, with the vacuum autovacuum would do."""
+def load_clusters(first: int, last: int) -> None:
+    """Add clusters first+1 .. last, with the vacuum autovacuum would do."""
     from django.db import connection
     from django.utils import timezone
 
@@ -74,33 +74,13 @@ def load_clusters(first: int, last: int) -> float:
     worker = Worker.objects.filter(name="history").first() or Worker.objects.create(
         name="history", token_hash="history"
     )
-    began = time.perf_counter()
     with connection.cursor() as cursor:
         # The rows are whole and consistent: no trigger or foreign-key check to run per row.
         cursor.execute("SET session_replication_role = replica")
-        cursor.execute(
-            LOAD_SQL,
-            {
-                "project": project.pk,
-                "worker": worker.pk,
-                "first": first,
-                "last": last,
-                "now": timezone.now(),
-            },
-        )
+        ids = {"project": project.pk, "worker": worker.pk}
+        cursor.execute(LOAD_SQL, {**ids, "first": first, "last": last, "now": timezone.now()})
         cursor.execute("SET session_replication_role = DEFAULT")
-    vacuum()
-    return time.perf_counter() - began
-
-
-def vacuum() -> None:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "VACUUM ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job,"
-            " evaluation"
-        )
+    common.analyze(vacuum=True)
 
 
 def server_ms(client, url: str) -> float:
@@ -116,7 +96,7 @@ def server_ms(client, url: str) -> float:
     return min(times)
 
 
-def measure(size: int, client) -> dict:
+def measure(client) -> dict:
     """Each page's best time, and how long folding the new clusters into the tally took."""
     from gradient.metrics import fold
 
@@ -124,14 +104,8 @@ def measure(size: int, client) -> dict:
     while fold():  # the backlog, as successive scrapes fold it
         pass
     first = time.perf_counter() - began
-    vacuum()  # as autovacuum does after that many updates
-    times = {name: server_ms(client, url) for name, url in PAGES.items()}
-    print(
-        f"{size:,} clusters: fold {first:.2f} s; "
-        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in times.items()),
-        flush=True,
-    )
-    return {"first": first, "times": times}
+    common.analyze(vacuum=True)  # as autovacuum does after that many updates
+    return {"first": first, "times": {name: server_ms(client, url) for name, url in PAGES.items()}}
 
 
 def main() -> None:
@@ -152,10 +126,9 @@ def main() -> None:
     client.force_login(user)
     results, loaded = {}, 0
     for size in sizes:
-        took = load_clusters(loaded, size)
-        print(f"loaded {size - loaded:,} clusters in {took:.1f} s", flush=True)
+        load_clusters(loaded, size)
         loaded = size
-        results[size] = measure(size, client)
+        results[size] = measure(client)
     common.finish(args, BENCH, SECTION, text_table(sizes, results), (), figures(sizes, results))
 
 
@@ -180,13 +153,10 @@ def text_table(sizes, results) -> str:
             "-",
         ]
     )
-    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return common.table(" | ".join(header), rows)
 
 
 def figures(sizes, results) -> list:
-    """One summary row per page: its time at the largest size, and its growth from the
-    smallest."""
     small, large = sizes[0], sizes[-1]
     out = []
     for name in PAGES:

@@ -322,7 +322,6 @@ def run_one(depth: int, args) -> Run:
         time.sleep(max(0.0, args.tick - (time.monotonic() - began)))
     run.load = common.load()
     common.flush_redis()
-    print(f"  {depth:,} queued, {run.workers} workers: " + ", ".join(map(str, row(run)[2:])))
     return run
 
 

@@ -72,16 +72,13 @@ class DepthFeeder(common.Feeder):
             submit(self.depth - n)
 
 
-def score_rows() -> int:
-    from workers.models import JobScore
-
-    return JobScore.objects.count()
-
-
 def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
     """The window, sampled from this thread: the backends' CPU and the depth every
     OBSERVE_SECS, job_score at --samples evenly spaced times."""
     from django.utils import timezone
+
+    from gradient.jobs.models import DispatchedJob
+    from workers.models import JobScore
 
     depths, scores = [], []
     step = args.window / (args.samples - 1)
@@ -93,7 +90,7 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
     while True:
         now = time.monotonic()
         if now >= next_score - 0.05:
-            scores.append(score_rows())
+            scores.append(JobScore.objects.count())
             next_score += step
         depths.append(queued())
         meter.observe()  # the backends that close meanwhile
@@ -103,8 +100,6 @@ def measure(args, feeder: DepthFeeder, meter: common.CpuMeter) -> dict:
     cpu = meter.stop()
     until, secs = timezone.now(), time.monotonic() - began
     feeder.measuring = False
-    from gradient.jobs.models import DispatchedJob
-
     window = DispatchedJob.objects.filter(finished_at__gte=since, finished_at__lt=until)
     ended = common.count_by(window, "outcome")
     return {
@@ -175,10 +170,6 @@ def run_one(depth: int, args) -> dict:
     return result
 
 
-def score_limit(workers: int) -> int:
-    return workers * 2 * OFFER_WINDOW
-
-
 HEADER = (
     "builds queued (N) | builds completed/s | job_score rows: max / median"
     " | queue held: min / max | jobs failed / abandoned"
@@ -228,7 +219,7 @@ def figures(results: list[dict], workers: int) -> list[common.Figure]:
             )
         )
     most = max(max(r["scores"]) for r in results)
-    limit = score_limit(workers)
+    limit = workers * 2 * OFFER_WINDOW
     target = f"≤ {limit:,} ({workers} workers x 2 x {OFFER_WINDOW})"
     out.append(
         common.Figure("deep queue: job_score rows, the most", target, f"{most:,}", most <= limit)

@@ -75,21 +75,9 @@ def populate(cursor, old, young) -> None:
         (YOUNG_GONE, finished, young, 1, False),
     ]
     for n, statuses, at, memberless, is_open in groups:
-        cursor.execute(
-            GROUP_SQL,
-            {
-                "project": project,
-                "worker": worker,
-                "n": n,
-                "statuses": statuses,
-                "at": at,
-                "memberless": memberless,
-                "open": is_open,
-            },
-        )
-    cursor.execute(
-        "ANALYZE cluster_job, cluster_member, cluster_attempt, dispatched_job, evaluation"
-    )
+        group = {"n": n, "statuses": statuses, "at": at, "memberless": memberless, "open": is_open}
+        cursor.execute(GROUP_SQL, {"project": project, "worker": worker, **group})
+    common.analyze()
 
 
 def main() -> None:
@@ -101,7 +89,7 @@ def main() -> None:
     from django.db import connection
     from django.utils import timezone
 
-    from clusters.retention import BATCH, run_retention
+    from clusters.retention import run_retention
 
     days = settings.GRADIENT["RETENTION_DAYS"]
     times = []
@@ -114,7 +102,6 @@ def main() -> None:
         deleted = run_retention()
         times.append(time.perf_counter() - began)
         assert deleted == DELETED, deleted
-        print(f"deleted {deleted} (batches of {BATCH}) in {times[-1]:.2f} s", flush=True)
     row = [
         f"{DELETED:,}",
         f"{ACTIVE + YOUNG:,}",

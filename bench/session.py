@@ -54,16 +54,9 @@ def populate(workers: int, queued: int) -> list:
     # many finished clusters (history until the retention pass), which no walk may read.
     queued_ = {"project": members_of, "status": ClusterStatus.QUEUED, "waiting_since": now}
     finished = {"project": members_of, "status": ClusterStatus.COMPLETED}
-    common.make_clusters(
-        [(queued_, [(f"m{n}", "build", {}, {}) for n in range(2)])] * (queued // 4)
-        + [
-            (
-                finished,
-                [(f"m{n}", "build", {"status": BuildStatus.COMPLETED}, {}) for n in range(2)],
-            )
-        ]
-        * (queued // 4)
-    )
+    members = [(f"m{n}", "build", {}, {}) for n in range(2)]
+    done = [(f"m{n}", "build", {"status": BuildStatus.COMPLETED}, {}) for n in range(2)]
+    common.make_clusters([(queued_, members)] * (queued // 4) + [(finished, done)] * (queued // 4))
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     return fleet

@@ -19,14 +19,6 @@ BACK_TARGET_SECS = 5.0
 TIMEOUT_SECS = 60.0
 
 
-def acks_since(worker, since: float) -> list[float]:
-    return [
-        datetime.fromisoformat(e["time"]).timestamp()
-        for e in list(worker.events)
-        if e["event"] == "init_ack" and datetime.fromisoformat(e["time"]).timestamp() >= since
-    ]
-
-
 async def until_all(fleet, wanted: dict, began: float, timeout: float) -> tuple[float, int]:
     """Wait until every worker has had wanted[worker] sessions (InitAcks): the seconds from
     `began`, or the timeout and how many workers were still short."""
@@ -40,9 +32,16 @@ async def until_all(fleet, wanted: dict, began: float, timeout: float) -> tuple[
 
 
 def spread(fleet, began: float) -> dict:
-    """Each worker's first InitAck since `began`, in seconds: median and p95 (of those that
-    got one)."""
-    firsts = [min(acks) - began for w in fleet.workers if (acks := acks_since(w, began))]
+    """Each worker's first InitAck since `began`, in seconds: median and p95."""
+    firsts = []
+    for w in fleet.workers:
+        acks = [
+            datetime.fromisoformat(e["time"]).timestamp()
+            for e in list(w.events)
+            if e["event"] == "init_ack"
+        ]
+        if acks := [t - began for t in acks if t >= began]:
+            firsts.append(min(acks))
     if not firsts:
         return {"median": float("nan"), "p95": float("nan")}
     return dict(zip(("median", "p95"), common.median_p(firsts, 95), strict=True))
@@ -62,9 +61,8 @@ async def storm(names, procs: common.Processes, restarts: int) -> dict:
         wanted = {w.name: 1 for w in fleet.workers}
         out["all"], out["missing"] = await until_all(fleet, wanted, began, TIMEOUT_SECS)
         out.update(spread(fleet, began))
-        print(f"storm: {len(names) - out['missing']} InitAck after {out['all']:.2f} s", flush=True)
         await asyncio.sleep(2.0)  # let the sessions' RequestJobs settle
-        for n in range(restarts):
+        for _ in range(restarts):
             daphne = procs.procs[-1][0]
             procs.kill(daphne)
             killed = time.time()
@@ -78,11 +76,6 @@ async def storm(names, procs: common.Processes, restarts: int) -> dict:
             row["down"] = restarted - killed
             row.update(spread(fleet, restarted))
             out["restarts"].append(row)
-            print(
-                f"restart {n + 1}: listening after {listening:.2f} s,"
-                f" {len(names) - missing} back after {back:.2f} s",
-                flush=True,
-            )
             await asyncio.sleep(2.0)
         out["connected"] = sum(w.connected for w in fleet.workers)
         out["stopped"] = [w.stopped_reason for w in fleet.workers if w.stopped_reason]
@@ -98,12 +91,8 @@ def run(count: int, restarts: int) -> dict:
     common.make_workers(names)
     with common.stack("storm", celery=False) as procs:
         result = asyncio.run(storm(names, procs, restarts))
-    log = procs.log_text("daphne")
-    result["crashes"] = common.crashes(log)
-    result["tracebacks"] = common.tracebacks(log)
+    result["crashes"], result["tracebacks"] = procs.problems()
     result["workers"] = count
-    for line in result["crashes"][:5]:
-        print("  " + line, flush=True)
     return result
 
 

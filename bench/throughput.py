@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,23 +34,14 @@ SINGLES, CLUSTERS = "tp-singles", "tp-clusters"
 
 
 class Tally:
-    """Starts and other events counted per kind, with the time of each start, across every
-    worker of the fleet (one event loop: no lock needed for the workers; the feeder only
-    reads)."""
+    """The fleet's starts (their times) and events, counted on its one event loop."""
 
     def __init__(self):
         self.starts: dict[str, list[float]] = {"member": [], "single": []}
         self.events: Counter = Counter()
-        # Where a member's slot spends its time, (when, seconds): from the RequestJob that
-        # follows the slot's release to the member's AssignJob, and from that AssignJob to the
-        # StartCluster.
-        self.waits: dict[str, list[tuple[float, float]]] = {"idle": [], "held": []}
 
     def between(self, kind: str, since: float, until: float) -> int:
         return sum(since <= t < until for t in self.starts[kind])
-
-    def median_p90(self, what: str, since: float, until: float) -> tuple[float, float] | None:
-        return common.median_p((v for t, v in self.waits[what] if since <= t < until), 90)
 
 
 def counting_worker_class(tally: Tally):
@@ -60,37 +51,10 @@ def counting_worker_class(tally: Tally):
     class CountingWorker(SimulatedWorker):
         singles_only = False  # of the singles' project (set by drive), else of the clusters'
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.free_since: dict[str, float] = {}  # kind -> the first RequestJob since free
-            self.assigned_at: dict[str, float] = {}  # held member's job id -> its AssignJob
-
         def _start(self, job):
             super()._start(job)
             self_kind = "member" if job.attempt is not None else "single"
             tally.starts[self_kind].append(time.monotonic())
-
-        async def _request(self, kind):
-            if self.connected and not self.draining:
-                self.free_since.setdefault(kind, time.monotonic())  # resends keep the first
-            await super()._request(kind)
-
-        async def _on_assign(self, assign):
-            now = time.monotonic()
-            since = self.free_since.pop(assign.job.kind, None)
-            if assign.cluster is not None:
-                self.assigned_at[assign.job_id] = now
-                if since is not None:
-                    tally.waits["idle"].append((now, now - since))
-            await super()._on_assign(assign)
-
-        async def _on_start(self, start):
-            now = time.monotonic()
-            for job in self.held:
-                at = self.assigned_at.pop(job.job_id, None)
-                if job.attempt == start.attempt and at is not None:
-                    tally.waits["held"].append((now, now - at))
-            await super()._on_start(start)
 
         async def _on_offer(self, offer):
             tally.events["offered_pairs"] += len(offer.jobs)  # (worker, job) pairs to score
@@ -255,8 +219,6 @@ async def drive(url: str, rows, args, feeder: Feeder, meter: common.CpuMeter) ->
         "scored": during.get("scored_pairs", 0),
         "scored_single": during.get("scored_single_pairs", 0),
         "scored_member": during.get("scored_member_pairs", 0),
-        "idle": tally.median_p90("idle", since, until),
-        "held": tally.median_p90("held", since, until),
         "errors": dict(errors),
         "low": dict(feeder.low),
         "cpu": cpu,
@@ -285,15 +247,10 @@ def run_one(count: int, args) -> dict:
     return result
 
 
-def spread_text(pair, digits: int = 1) -> str:
-    return "-" if pair is None else f"{pair[0]:.{digits}f} / {pair[1]:.{digits}f}"
-
-
 HEADER = (
     "workers (singles + clusters) | member starts/s | single starts/s | total starts/s"
     " | pairs offered/s | pairs scored per start | pairs per single start, per member start"
-    " | CPU ms per start | slot idle s (median / p90) | slot held s (median / p90)"
-    " | jobs failed | prepares failed | smallest queue: singles, clusters"
+    " | CPU ms per start | jobs failed | prepares failed | smallest queue: singles, clusters"
     " | cores used: daphne, Celery, PostgreSQL, fleet | load average (start / end)"
 )
 
@@ -302,17 +259,12 @@ def pairs_per_start(r: dict) -> float:
     return r["scored"] / max(r["members"] + r["singles"], 1)
 
 
-def runs_by_size(results: list[dict]) -> dict[int, list[dict]]:
-    sizes: dict[int, list[dict]] = {}
-    for r in results:
-        sizes.setdefault(r["workers"], []).append(r)
-    return dict(sorted(sizes.items()))
-
-
 def figures(results: list[dict]) -> list[common.Figure]:
     """Issue #18's targets, on each size's median over its runs: pairs per start at every
     size, member starts at 500 workers, and at 1,000 against 100."""
-    sizes = runs_by_size(results)
+    sizes = defaultdict(list)
+    for r in results:
+        sizes[r["workers"]].append(r)
     pairs = {size: [pairs_per_start(r) for r in runs] for size, runs in sizes.items()}
     starts = {size: [r["member_rate"] for r in runs] for size, runs in sizes.items()}
     worst = max(pairs, key=lambda size: statistics.median(pairs[size]))
@@ -366,8 +318,6 @@ def rows(results: list[dict]) -> list[list]:
                 f"{r['scored_single'] / max(r['singles'], 1):.1f},"
                 f" {r['scored_member'] / max(r['members'], 1):.1f}",
                 f"{1000 * sum(r['cpu'].values()) / r['window'] / max(starts, 1e-9):.0f}",
-                spread_text(r["idle"]),
-                spread_text(r["held"]),
                 jobs.get("Failed", 0),
                 attempts.get("PrepareFailed", 0),
                 f"{r['low']['singles']}, {r['low']['clusters']}",
