@@ -149,9 +149,8 @@ class Asking:
         self._send()
 
     def _send(self) -> None:
-        """One JobOffer per worker, not waited for (a frame is a Redis round trip or three:
-        waited for per cluster, they made a busy fleet's passes several times slower); then
-        when each round began."""
+        """One JobOffer per worker, not waited for (a frame is a Redis round trip or three,
+        which the pass must not spend per cluster); then when each round began."""
         if self.items:
             send_frames(
                 [
